@@ -1,0 +1,44 @@
+# The two commands of the README:
+#   make book   set up (a virtual environment in .venv) and build the book into _build/html,
+#               executing every page and lab at the profile of this machine (cpu without CUDA)
+#   make test   set up and run every test: lint, unit/property/reference tests, and every lab
+#               and page executed at the smoke profile
+# Both start from nothing: the first run creates .venv from requirements.txt.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# One torch thread per process (FACTS.md: a second intra-op thread on a shared 2-core
+# machine made small models' steps up to 100x slower); pytest runs two workers instead.
+export OMP_NUM_THREADS ?= 1
+export TQDM_DISABLE ?= 1
+export PYDEVD_DISABLE_FILE_VALIDATION := 1
+
+.PHONY: setup book test lint student clean
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -r requirements.txt
+	$(BIN)/python -m pip install -e .
+	$(BIN)/python -c "import torch, lsdl_lab; print('torch', torch.__version__, '| lsdl_lab', lsdl_lab.__version__)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+book: $(STAMP)
+	rm -rf _build/html _build/.doctrees
+	$(BIN)/jupyter-book build . -W --keep-going
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	LSDL_SCALE=smoke $(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax tests labs
+
+student: $(STAMP)
+	$(BIN)/lsdl-student labs/*.ipynb -o student/
+
+clean:
+	rm -rf _build student .pytest_cache .ruff_cache

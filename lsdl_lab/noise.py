@@ -1,0 +1,183 @@
+r"""Gradient noise: how far a mini-batch gradient strays from the full gradient.
+
+With a loss that is an average of per-example losses, :math:`L(w) = \frac1N\sum_i \ell_i(w)`,
+the full gradient is :math:`g = \frac1N\sum_i \nabla\ell_i` and the per-example gradients
+have covariance :math:`\Sigma = \frac1N\sum_i (\nabla\ell_i - g)(\nabla\ell_i - g)^\top`.
+A mini-batch of :math:`B` examples drawn independently (with replacement) gives the
+unbiased estimate :math:`g_B = \frac1B\sum_{i\in\mathcal B}\nabla\ell_i` with
+
+.. math:: \mathbb E\,\|g_B - g\|^2 = \frac{\operatorname{tr}\Sigma}{B},
+
+and drawn without replacement, the same times the finite-population correction
+:math:`(N-B)/(N-1)`. The 1/B law is what makes large batches attractive (less noise per
+step) and what limits their benefit (McCandlish et al., 2018): once the noise is small
+compared with :math:`\|g\|^2`, doubling the batch buys little. Their *simple noise scale*
+is :math:`B_\text{simple} = \operatorname{tr}\Sigma / \|g\|^2`.
+
+The model is put in evaluation mode while measuring: with BatchNorm in training mode an
+example's loss depends on the rest of its batch, the loss is no longer a sum of
+per-example terms, and the law above does not apply as stated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+__all__ = [
+    "GradientNoise",
+    "VarianceMeasurement",
+    "flat_gradient",
+    "gradient_noise",
+    "minibatch_gradient_variance",
+    "per_example_gradients",
+]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _eval_mode:
+    """Evaluation mode inside the block, the caller's mode restored after it."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.was_training = model, model.training
+
+    def __enter__(self):
+        self.model.eval()
+
+    def __exit__(self, *exc):
+        self.model.train(self.was_training)
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+
+
+def flat_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor):
+    """The gradient of ``loss_fn(model(x), y)`` as one flat vector (model in eval mode)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with _eval_mode(model):
+        grads = torch.autograd.grad(loss_fn(model(x), y), params)
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def per_example_gradients(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, chunk_size: int = 256
+) -> torch.Tensor:
+    """The (N, P) matrix whose row i is the flat gradient of example i's loss.
+
+    ``torch.func.vmap`` over ``grad`` of a one-example loss computes all rows in one
+    vectorized pass per chunk, instead of N backward passes.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"Invalid chunk_size: {chunk_size} (expected >= 1)")
+    params, buffers = _params(model), dict(model.named_buffers())
+
+    def one_loss(p, xi, yi):
+        out = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
+        return loss_fn(out, yi.unsqueeze(0))
+
+    per_example = vmap(grad(one_loss), in_dims=(None, 0, 0))
+    rows = []
+    with _eval_mode(model):
+        for i in range(0, x.shape[0], chunk_size):
+            g = per_example(params, x[i : i + chunk_size], y[i : i + chunk_size])
+            rows.append(torch.cat([t.reshape(t.shape[0], -1) for t in g.values()], dim=1))
+    return torch.cat(rows)
+
+
+@dataclass(frozen=True)
+class GradientNoise:
+    """The full gradient and the spread of per-example gradients around it."""
+
+    mean: torch.Tensor  # g, shape (P,)
+    trace_cov: float  # tr Σ = E_i ||∇ℓ_i - g||²
+    n: int
+
+    @property
+    def simple_noise_scale(self) -> float:
+        """McCandlish et al.'s B_simple = tr Σ / ||g||²."""
+        return self.trace_cov / self.mean.square().sum().item()
+
+    def predicted_variance(self, batch_size: int, replacement: bool = True) -> float:
+        """E||g_B - g||² for batches of ``batch_size`` drawn with or without replacement."""
+        fpc = 1.0 if replacement else (self.n - batch_size) / (self.n - 1)
+        return self.trace_cov / batch_size * fpc
+
+
+def gradient_noise(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, chunk_size: int = 256
+) -> GradientNoise:
+    """Exact g and tr Σ over the N examples (x, y), one chunk of per-example gradients at a time."""
+    total, total_sq, n = None, 0.0, x.shape[0]
+    for i in range(0, n, chunk_size):
+        G = per_example_gradients(
+            model, loss_fn, x[i : i + chunk_size], y[i : i + chunk_size], chunk_size
+        )
+        s = G.sum(0, dtype=torch.float64)
+        total = s if total is None else total + s
+        total_sq += G.double().square().sum().item()
+    mean = total / n
+    # tr Σ = E||∇ℓ_i||² - ||g||², accumulated in float64 against cancellation.
+    trace_cov = total_sq / n - mean.square().sum().item()
+    return GradientNoise(mean=mean.float(), trace_cov=max(trace_cov, 0.0), n=n)
+
+
+@dataclass(frozen=True)
+class VarianceMeasurement:
+    batch_size: int
+    measured: float  # mean over draws of ||g_B - g||²
+    stderr: float  # standard error of that mean
+    predicted: float  # tr Σ / B (times the finite-population correction without replacement)
+
+
+def minibatch_gradient_variance(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_sizes: Sequence[int],
+    samples: int = 32,
+    seed: int = 0,
+    replacement: bool = True,
+    noise: GradientNoise | None = None,
+) -> list[VarianceMeasurement]:
+    """Measure E||g_B - g||² by drawing ``samples`` real mini-batches of each size.
+
+    Each mini-batch gradient is an ordinary backward pass, as in training; g is the
+    full-batch gradient over (x, y). The prediction tr Σ / B comes from the exact
+    per-example gradients, so measurement and theory are computed independently.
+    """
+    n = x.shape[0]
+    for b in batch_sizes:
+        if not isinstance(b, int) or not 1 <= b <= n:
+            raise ValueError(f"Invalid batch size: {b!r} (expected an int in [1, {n}])")
+    if samples < 2:
+        raise ValueError(f"Invalid samples: {samples} (expected >= 2 to estimate a mean's error)")
+    noise = noise or gradient_noise(model, loss_fn, x, y)
+    g = noise.mean.to(x.device)
+    gen = torch.Generator().manual_seed(seed)
+    results = []
+    for b in batch_sizes:
+        dev = []
+        for _ in range(samples):
+            if replacement:
+                idx = torch.randint(n, (b,), generator=gen)
+            else:
+                idx = torch.randperm(n, generator=gen)[:b]
+            idx = idx.to(x.device)
+            dev.append((flat_gradient(model, loss_fn, x[idx], y[idx]) - g).square().sum().item())
+        d = torch.tensor(dev, dtype=torch.float64)
+        results.append(
+            VarianceMeasurement(
+                batch_size=b,
+                measured=d.mean().item(),
+                stderr=(d.std() / samples**0.5).item(),
+                predicted=noise.predicted_variance(b, replacement),
+            )
+        )
+    return results

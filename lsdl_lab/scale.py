@@ -1,0 +1,159 @@
+"""Scale profiles: one notebook, three sizes of experiment.
+
+Every lab reads one :class:`Profile`, so the same notebook is a seconds-long test
+(``smoke``), a minutes-long run on a laptop or the book build (``cpu``) and the real
+experiment on a GPU (``gpu``). The profile is chosen automatically (CUDA present means
+``gpu``, otherwise ``cpu``) and the environment variable ``LSDL_SCALE`` overrides it.
+
+A lab asks the profile for sizes by name (``P.resnet_width``) or picks its own value per
+profile with :meth:`Profile.pick`::
+
+    P, device = setup()                    # prints "lsdl_lab: profile 'cpu' on cpu ..."
+    epochs = P.pick(smoke=1, cpu=8, gpu=30)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+__all__ = ["PROFILES", "Profile", "current", "device_for", "seed_everything", "setup"]
+
+T = TypeVar("T")
+ENV_VAR = "LSDL_SCALE"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The sizes one scale of experiment uses. Frozen: a lab cannot drift from it."""
+
+    name: str
+    image_dataset: str  # name understood by lsdl_lab.data.load_images
+    text_dataset: str  # name understood by lsdl_lab.data.load_text
+    max_train_examples: int | None  # cap on the image training set (None: all of it)
+    max_text_chars: int | None  # cap on the character corpus (None: all of it)
+    batch_size: int
+    epochs: int
+    resnet_depth: int  # 6n + 2, as in He et al. (2016), Section 4.2
+    resnet_width: int  # channels of the first stage; stages have w, 2w, 4w
+    mlp_hidden: int
+    gpt_layers: int
+    gpt_heads: int
+    gpt_dim: int
+    block_size: int  # context length of the language model
+    lm_steps: int
+    eval_batches: int  # how many batches an evaluation reads at most
+
+    def pick(self, *, smoke: T, cpu: T, gpu: T) -> T:
+        """The value for this profile: ``P.pick(smoke=1, cpu=8, gpu=30)``."""
+        return {"smoke": smoke, "cpu": cpu, "gpu": gpu}[self.name]
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+PROFILES: dict[str, Profile] = {
+    "smoke": Profile(
+        name="smoke",
+        image_dataset="digits",
+        text_dataset="python_source",
+        max_train_examples=512,
+        max_text_chars=200_000,
+        batch_size=64,
+        epochs=2,
+        resnet_depth=8,
+        resnet_width=8,
+        mlp_hidden=64,
+        gpt_layers=1,
+        gpt_heads=2,
+        gpt_dim=32,
+        block_size=32,
+        lm_steps=30,
+        eval_batches=4,
+    ),
+    "cpu": Profile(
+        name="cpu",
+        image_dataset="digits",
+        text_dataset="python_source",
+        max_train_examples=None,
+        max_text_chars=2_000_000,
+        batch_size=64,
+        epochs=12,
+        resnet_depth=14,
+        resnet_width=16,
+        mlp_hidden=256,
+        gpt_layers=2,
+        gpt_heads=4,
+        gpt_dim=128,
+        block_size=64,
+        lm_steps=600,
+        eval_batches=20,
+    ),
+    "gpu": Profile(
+        name="gpu",
+        image_dataset="cifar10",
+        text_dataset="tiny_shakespeare",
+        max_train_examples=None,
+        max_text_chars=None,
+        batch_size=128,
+        epochs=30,
+        resnet_depth=20,
+        resnet_width=16,
+        mlp_hidden=1024,
+        gpt_layers=6,
+        gpt_heads=6,
+        gpt_dim=384,
+        block_size=256,
+        lm_steps=3000,
+        eval_batches=50,
+    ),
+}
+
+
+def current(name: str | None = None) -> Profile:
+    """The profile named ``name``, else ``$LSDL_SCALE``, else ``gpu`` with CUDA, else ``cpu``."""
+    if name is None:
+        name = os.environ.get(ENV_VAR, "").strip().lower() or None
+        source = f"environment variable {ENV_VAR}"
+    else:
+        source = "argument name"
+    if name is None:
+        return PROFILES["gpu" if torch.cuda.is_available() else "cpu"]
+    if name not in PROFILES:
+        valid = ", ".join(repr(k) for k in PROFILES)
+        raise ValueError(f"Invalid scale profile {name!r} (from {source}); valid profiles: {valid}")
+    return PROFILES[name]
+
+
+def device_for(profile: Profile) -> torch.device:
+    """CUDA when present (at any profile: a smoke test on a GPU machine still uses it)."""
+    del profile  # every profile runs where it can; the profile sets sizes, not the device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative int)")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # noqa: NPY002 -- seeds the legacy global generator on purpose
+    torch.manual_seed(seed)
+
+
+def setup(seed: int = 0, profile: str | None = None, verbose: bool = True) -> tuple[Profile, Any]:
+    """What every lab does first: choose the profile and device, seed, and say so."""
+    P = current(profile)
+    device = device_for(P)
+    seed_everything(seed)
+    if verbose:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(
+            f"lsdl_lab: profile {P.name!r} on {device.type} ({where}); "
+            f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), seed {seed}"
+        )
+    return P, device

@@ -1,0 +1,174 @@
+"""Make the student version of a lab: the solutions taken out, the exercises left.
+
+Solutions are marked as nbgrader marks them, so an instructor can also use nbgrader
+itself. In a code cell, the lines from ``### BEGIN SOLUTION`` to ``### END SOLUTION``
+(markers included) become one line, indented like the ``BEGIN`` marker::
+
+    raise NotImplementedError("Exercise: write your solution here")
+
+In a Markdown cell, the lines from ``<!-- BEGIN SOLUTION -->`` to ``<!-- END SOLUTION -->``
+are removed. Outputs and execution counts are cleared; everything else (cell ids and
+metadata, the notebook's metadata and nbformat version) is kept.
+
+From the command line::
+
+    lsdl-student labs/*.ipynb -o student/     # write student/<same name>.ipynb
+    lsdl-student --check labs/*.ipynb         # exit 1 if a marker is malformed
+    python -m lsdl_lab.student ...            # the same, without the console script
+
+Unlike nbgrader, a marker must stand alone on its line, and any other line that
+mentions one (``# BEGIN SOLUTION``, ``x = 1  ### END SOLUTION``) is an error rather
+than a solution silently left in the student version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import nbformat
+
+__all__ = ["Solution", "find_solutions", "main", "make_student_version"]
+
+PLACEHOLDER = 'raise NotImplementedError("Exercise: write your solution here")'
+
+# Per cell type: the begin marker, the end marker, and what any line that mentions a
+# marker looks like (prose may quote the code markers, so Markdown only watches its own).
+_MARKERS = {
+    "code": ("### BEGIN SOLUTION", "### END SOLUTION", re.compile(r"(BEGIN|END) SOLUTION")),
+    "markdown": (
+        "<!-- BEGIN SOLUTION -->",
+        "<!-- END SOLUTION -->",
+        re.compile(r"<!--\s*(BEGIN|END)\s+SOLUTION"),
+    ),
+}
+
+
+class Solution(NamedTuple):
+    """One solution block: its cell's index and its marker lines (1-based, inclusive)."""
+
+    cell: int
+    start_line: int
+    end_line: int
+
+
+def find_solutions(nb: nbformat.NotebookNode | str | Path) -> list[Solution]:
+    """Every solution block of a notebook (or of the notebook file at that path), in
+    order; raises ValueError naming the notebook, cell and line of a malformed marker."""
+    if isinstance(nb, (str, Path)):
+        where = str(nb)
+        nb = _read(nb)
+    else:
+        where = "notebook"
+    return [
+        Solution(index, start, end)
+        for index, cell in enumerate(nb.cells)
+        for start, end in _blocks(cell, f"{where}, cell {index}")
+    ]
+
+
+def make_student_version(src_path: str | Path, dst_path: str | Path) -> int:
+    """Write the student version of notebook ``src_path`` to ``dst_path``; return how many
+    solutions were removed. Nothing is written when a marker is malformed."""
+    src_path, dst_path = Path(src_path), Path(dst_path)
+    if dst_path.exists() and dst_path.resolve() == src_path.resolve():
+        raise ValueError(f"dst_path {dst_path} is src_path: that would erase the solutions")
+    nb = _read(src_path)
+    removed = 0
+    for index, cell in enumerate(nb.cells):
+        blocks = _blocks(cell, f"{src_path}, cell {index}")
+        removed += len(blocks)
+        lines = cell.source.split("\n")
+        # From the last block up, so earlier line numbers stay valid.
+        for start, end in reversed(blocks):
+            if cell.cell_type == "code":
+                indent = re.match(r"\s*", lines[start - 1]).group(0)
+                lines[start - 1 : end] = [indent + PLACEHOLDER]
+            else:
+                del lines[start - 1 : end]
+        cell.source = "\n".join(lines)
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, dst_path)
+    return removed
+
+
+def _read(path: str | Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=nbformat.NO_CONVERT)
+
+
+def _blocks(cell: nbformat.NotebookNode, where: str) -> list[tuple[int, int]]:
+    """The (start, end) marker lines, 1-based, of each solution block in one cell."""
+    if cell.cell_type not in _MARKERS:
+        return []
+    begin, end, mention = _MARKERS[cell.cell_type]
+    blocks, start = [], None
+    for number, line in enumerate(cell.source.split("\n"), start=1):
+        marker = line.strip()
+        if marker == begin:
+            if start is not None:
+                raise ValueError(
+                    f"{where}, line {number}: {begin!r} inside the solution opened on "
+                    f"line {start} (solutions cannot nest)"
+                )
+            start = number
+        elif marker == end:
+            if start is None:
+                raise ValueError(f"{where}, line {number}: {end!r} without {begin!r}")
+            blocks.append((start, number))
+            start = None
+        elif mention.search(line):
+            raise ValueError(
+                f"{where}, line {number}: a solution marker must be alone on its line, "
+                f"exactly {begin!r} or {end!r}; found {line.strip()!r}"
+            )
+    if start is not None:
+        raise ValueError(f"{where}, line {start}: {begin!r} without {end!r}")
+    return blocks
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``lsdl-student`` command; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="lsdl-student",
+        description="Write the student version of lab notebooks: each solution between "
+        "nbgrader's '### BEGIN SOLUTION' and '### END SOLUTION' markers becomes "
+        "'raise NotImplementedError', outputs are cleared.",
+    )
+    parser.add_argument("notebooks", nargs="+", type=Path, help="lab notebooks (.ipynb)")
+    parser.add_argument("-o", "--output-dir", type=Path, help="where to write them")
+    parser.add_argument(
+        "--check", action="store_true", help="only check the markers; exit 1 if malformed"
+    )
+    args = parser.parse_args(argv)
+    if not args.check:
+        if args.output_dir is None:
+            parser.error("the output directory (-o) is required unless --check is given")
+        names = [path.name for path in args.notebooks]
+        clashes = sorted({name for name in names if names.count(name) > 1})
+        if clashes:
+            parser.error(f"notebooks with the same name would overwrite each other: {clashes}")
+
+    failed = 0
+    for path in args.notebooks:
+        try:
+            if args.check:
+                print(f"{path}: {len(find_solutions(path))} solution(s), markers well formed")
+            else:
+                dst = args.output_dir / path.name
+                removed = make_student_version(path, dst)
+                print(f"{path} -> {dst}: {removed} solution(s) removed")
+        except (OSError, ValueError) as exc:  # nbformat's NotJSONError is a ValueError
+            print(f"lsdl-student: error: {exc}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Shared test setup: one torch thread per worker, the smoke profile, no progress bars."""
+
+import os
+
+os.environ.setdefault("LSDL_SCALE", "smoke")
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# On a shared 2-core machine a small model's step is ~100x slower with 2 intra-op
+# threads while another worker runs (FACTS.md); every test worker uses one.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

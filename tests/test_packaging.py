@@ -1,0 +1,57 @@
+"""lsdl_lab installs with pip without touching an installed torch (Colab keeps its own)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dependencies_are_ranges_not_pins():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for dep in project["dependencies"]:
+        assert "==" not in dep and ">=" in dep, dep
+    assert any(d.startswith("torch>=") for d in project["dependencies"])
+
+
+def pip_dry_run(target: str) -> list[str]:
+    # --no-index: nothing may come from a registry; the installed torch must satisfy the range.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-index",
+            "--no-build-isolation",
+            "--quiet",
+            "--report",
+            "-",
+            target,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    return [item["metadata"]["name"].lower() for item in report["install"]]
+
+
+def test_pip_install_keeps_the_installed_torch():
+    assert pip_dry_run(str(ROOT)) == ["lsdl_lab"]
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs a git checkout")
+def test_pip_install_from_a_git_url():
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    if head.returncode != 0:
+        pytest.skip("the checkout has no commit yet")
+    assert pip_dry_run(f"lsdl_lab @ git+file://{ROOT}") == ["lsdl_lab"]

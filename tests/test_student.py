@@ -1,0 +1,335 @@
+"""Tests of lsdl_lab.student: the student version of a synthetic notebook and of every
+real lab, its malformed markers, the command line, and running the result."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+from lsdl_lab.student import PLACEHOLDER, Solution, find_solutions, main, make_student_version
+
+ROOT = Path(__file__).resolve().parents[1]
+LABS = sorted((ROOT / "labs").glob("*.ipynb"))
+
+SETUP = 'import math\nsetup_value = math.sqrt(16)\nprint("setup ran")'
+
+TOP_LEVEL_EXERCISE = """\
+values = [1, 2, 3]
+### BEGIN SOLUTION
+total = sum(values)  # SECRET-1
+### END SOLUTION
+print("after", total)"""
+
+FUNCTION_EXERCISES = '''\
+def momentum_step(w, g, v, lr, beta):
+    """One step of heavy-ball momentum."""
+    ### BEGIN SOLUTION
+    v = beta * v + g  # SECRET-2
+    return w - lr * v, v
+    ### END SOLUTION
+
+
+def scaled(x):
+    if x > 0:
+        ### BEGIN SOLUTION
+        return 2 * x  # SECRET-3
+        ### END SOLUTION
+    return 0
+'''
+
+FUNCTION_EXERCISES_STUDENT = f'''\
+def momentum_step(w, g, v, lr, beta):
+    """One step of heavy-ball momentum."""
+    {PLACEHOLDER}
+
+
+def scaled(x):
+    if x > 0:
+        {PLACEHOLDER}
+    return 0
+'''
+
+CHECKER = """\
+import torch
+from lsdl_lab import check
+
+def reference(w, g, v, lr, beta):
+    v = beta * v + g
+    return w - lr * v, v
+
+case = (torch.ones(3), torch.ones(3), torch.zeros(3), 0.1, 0.9)
+check.check_function(momentum_step, reference, [case])
+assert scaled(3) == 6 and scaled(-1) == 0"""
+
+MARKDOWN = """\
+# A lab
+Why does momentum help?
+<!-- BEGIN SOLUTION -->
+It averages out the SECRET-4 oscillations.
+<!-- END SOLUTION -->
+Solutions in code are marked `### BEGIN SOLUTION`, as nbgrader marks them."""
+
+
+def synthetic_notebook() -> nbformat.NotebookNode:
+    setup = new_code_cell(SETUP, execution_count=1)
+    setup.outputs = [new_output("stream", name="stdout", text="setup ran\n")]
+    nb = new_notebook(
+        cells=[
+            new_markdown_cell(MARKDOWN),
+            setup,
+            new_code_cell(TOP_LEVEL_EXERCISE, execution_count=2),
+            new_code_cell(FUNCTION_EXERCISES),
+            new_code_cell(CHECKER),
+        ],
+        metadata={
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+            "lsdl": {"chapter": 3},
+        },
+    )
+    nb.cells[1].metadata["tags"] = ["setup"]
+    return nb
+
+
+@pytest.fixture
+def lab(tmp_path) -> Path:
+    path = tmp_path / "lab.ipynb"
+    nbformat.write(synthetic_notebook(), path)
+    return path
+
+
+def student_of(path: Path, tmp_path: Path) -> nbformat.NotebookNode:
+    dst = tmp_path / "student" / path.name
+    make_student_version(path, dst)
+    return nbformat.read(dst, as_version=nbformat.NO_CONVERT)
+
+
+def execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> tuple[int, str, str] | None:
+    """Run ``nb`` in place until its first error; return that cell's index, the error's
+    name and its value, or None when every cell ran."""
+    paths = [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+        "LSDL_SCALE": "smoke",
+        "OMP_NUM_THREADS": "1",
+    }
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    )
+    try:
+        client.execute(env=env)
+    except CellExecutionError:
+        pass
+    for index, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []):
+            if output.output_type == "error":
+                return index, output.ename, output.evalue
+    return None
+
+
+# --- the student version ------------------------------------------------------------------
+
+
+def test_find_solutions(lab):
+    expected = [Solution(0, 3, 5), Solution(2, 2, 4), Solution(3, 3, 6), Solution(3, 11, 13)]
+    assert find_solutions(lab) == expected
+    assert find_solutions(nbformat.read(lab, as_version=4)) == expected
+    assert find_solutions(new_notebook(cells=[new_code_cell("x = 1")])) == []
+
+
+def test_code_solutions_replaced_with_the_stub(lab, tmp_path):
+    removed = make_student_version(lab, tmp_path / "out" / "lab.ipynb")
+    assert removed == 4
+    nb = nbformat.read(tmp_path / "out" / "lab.ipynb", as_version=4)
+    assert nb.cells[1].source == SETUP
+    assert nb.cells[2].source == (f'values = [1, 2, 3]\n{PLACEHOLDER}\nprint("after", total)')
+    assert nb.cells[3].source == FUNCTION_EXERCISES_STUDENT
+    assert nb.cells[4].source == CHECKER
+    text = "\n".join(cell.source for cell in nb.cells)
+    assert "SECRET" not in text
+    assert "### END SOLUTION" not in text
+    assert "<!-- BEGIN SOLUTION" not in text and "<!-- END SOLUTION" not in text
+
+
+def test_markdown_solution_removed(lab, tmp_path):
+    nb = student_of(lab, tmp_path)
+    assert nb.cells[0].source == (
+        "# A lab\nWhy does momentum help?\n"
+        "Solutions in code are marked `### BEGIN SOLUTION`, as nbgrader marks them."
+    )
+
+
+def test_outputs_cleared_and_metadata_kept(lab, tmp_path):
+    original = nbformat.read(lab, as_version=nbformat.NO_CONVERT)
+    nb = student_of(lab, tmp_path)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None
+    assert nb.metadata == original.metadata
+    assert (nb.nbformat, nb.nbformat_minor) == (original.nbformat, original.nbformat_minor)
+    assert [cell.get("id") for cell in nb.cells] == [cell.get("id") for cell in original.cells]
+    assert nb.cells[1].metadata["tags"] == ["setup"]
+
+
+def test_student_version_raises_not_implemented_in_the_first_exercise(lab, tmp_path):
+    nb = student_of(lab, tmp_path)
+    error = execute(nb, tmp_path, timeout=120)
+    assert error is not None
+    cell, ename, evalue = error
+    assert (cell, ename) == (2, "NotImplementedError"), evalue
+    assert "Exercise: write your solution here" in evalue
+    assert "setup ran" in nb.cells[1].outputs[0].text
+
+
+def test_solution_version_runs_to_the_end(lab, tmp_path):
+    nb = nbformat.read(lab, as_version=4)
+    assert execute(nb, tmp_path, timeout=120) is None
+    assert "✔ momentum_step" in nb.cells[4].outputs[0].text
+
+
+# --- malformed markers ------------------------------------------------------------------------
+
+
+BEGIN, END = "'### BEGIN SOLUTION'", "'### END SOLUTION'"
+MD_BEGIN, MD_END = "'<!-- BEGIN SOLUTION -->'", "'<!-- END SOLUTION -->'"
+
+
+@pytest.mark.parametrize(
+    ("cell", "message"),
+    [
+        (new_code_cell("x = 1\n### BEGIN SOLUTION\ny = 2"), f"line 2: {BEGIN} without {END}"),
+        (
+            new_code_cell("### BEGIN SOLUTION\n  ### BEGIN SOLUTION\n### END SOLUTION"),
+            f"line 2: {BEGIN} inside the solution opened on line 1",
+        ),
+        (new_code_cell("x = 1\ny = 2\n### END SOLUTION"), f"line 3: {END} without {BEGIN}"),
+        (
+            new_code_cell("x = 1  ### BEGIN SOLUTION\n### END SOLUTION"),
+            "line 1: a solution marker must be alone on its line",
+        ),
+        (
+            new_code_cell("# BEGIN SOLUTION\nx = 1\n# END SOLUTION"),
+            "line 1: a solution marker must be alone on its line",
+        ),
+        (
+            new_markdown_cell("text\n<!-- BEGIN SOLUTION -->\nanswer"),
+            f"line 2: {MD_BEGIN} without {MD_END}",
+        ),
+        (new_markdown_cell("<!-- END SOLUTION -->"), f"line 1: {MD_END} without {MD_BEGIN}"),
+    ],
+)
+def test_malformed_markers(tmp_path, cell, message):
+    src = tmp_path / "bad.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("ok = 1"), cell]), src)
+    dst = tmp_path / "out" / "bad.ipynb"
+    with pytest.raises(ValueError) as info:
+        make_student_version(src, dst)
+    assert str(info.value).startswith(f"{src}, cell 1, {message}")
+    assert not dst.exists()
+    with pytest.raises(ValueError, match="cell 1, line"):
+        find_solutions(src)
+
+
+def test_refuses_to_overwrite_the_solutions(lab):
+    with pytest.raises(ValueError, match="dst_path"):
+        make_student_version(lab, lab)
+    assert find_solutions(lab)  # still there
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def test_cli_writes_student_versions(lab, tmp_path, capsys):
+    other = tmp_path / "other.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell(TOP_LEVEL_EXERCISE)]), other)
+    out = tmp_path / "student"
+    assert main([str(lab), str(other), "-o", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["lab.ipynb", "other.ipynb"]
+    assert nbformat.read(out / "lab.ipynb", as_version=4).cells[3].source == (
+        FUNCTION_EXERCISES_STUDENT
+    )
+    assert "4 solution(s) removed" in capsys.readouterr().out
+
+
+def test_cli_check(lab, tmp_path, capsys):
+    bad = tmp_path / "bad.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("### BEGIN SOLUTION")]), bad)
+    assert main(["--check", str(lab)]) == 0
+    assert main(["--check", str(lab), str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}, cell 0, line 1" in err and str(lab) not in err
+
+
+def test_cli_errors(lab, tmp_path, capsys):
+    assert main([str(tmp_path / "missing.ipynb"), "-o", str(tmp_path / "out")]) == 1
+    assert "missing.ipynb" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main([str(lab)])
+    assert info.value.code == 2
+    assert "-o" in capsys.readouterr().err
+
+
+def test_runs_as_a_module(lab, tmp_path):
+    bad = tmp_path / "bad.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("### END SOLUTION")]), bad)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "lsdl_lab.student", "--check"]
+    assert subprocess.run([*command, str(lab)], env=env, capture_output=True).returncode == 0
+    result = subprocess.run([*command, str(bad)], env=env, capture_output=True, text=True)
+    assert result.returncode == 1 and "without" in result.stderr
+
+
+# --- every real lab -------------------------------------------------------------------------------
+
+
+def solution_lines(path: Path) -> tuple[Counter, Counter]:
+    """The stripped lines inside solution blocks, and those outside them."""
+    nb = nbformat.read(path, as_version=4)
+    inside: Counter = Counter()
+    outside: Counter = Counter()
+    blocks = find_solutions(nb)
+    for index, cell in enumerate(nb.cells):
+        spans = [(s.start_line, s.end_line) for s in blocks if s.cell == index]
+        for number, line in enumerate(cell.source.split("\n"), start=1):
+            inside_block = any(start < number < end for start, end in spans)
+            if line.strip() and not any(number in (start, end) for start, end in spans):
+                (inside if inside_block else outside)[line.strip()] += 1
+    return inside, outside
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.name)
+def test_lab_student_version_has_no_solutions(path, tmp_path):
+    assert find_solutions(path), f"{path.name} has no exercise with a marked solution"
+    student = student_of(path, tmp_path)
+    lines = Counter(
+        line.strip() for cell in student.cells for line in cell.source.split("\n") if line.strip()
+    )
+    assert "### BEGIN SOLUTION" not in lines and "### END SOLUTION" not in lines
+    inside, outside = solution_lines(path)
+    for line in inside:
+        # A solution line may also occur outside the solutions; only those may remain.
+        assert lines[line] == outside[line], f"solution line survives: {line!r}"
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.name)
+def test_lab_student_version_stops_at_the_first_exercise(path, tmp_path):
+    cells = nbformat.read(path, as_version=4).cells
+    first_exercise = min(s.cell for s in find_solutions(path) if cells[s.cell].cell_type == "code")
+    student = student_of(path, tmp_path)
+    error = execute(student, cwd=path.parent, timeout=600)
+    assert error is not None, "the student version ran to the end: is an exercise unchecked?"
+    cell, ename, evalue = error
+    assert cell >= first_exercise, (
+        f"cell {cell} failed before the first exercise: {ename}: {evalue}"
+    )
+    assert ename == "NotImplementedError", f"cell {cell}: {ename}: {evalue}"
