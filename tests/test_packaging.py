@@ -54,4 +54,5 @@ def test_pip_install_from_a_git_url():
     )
     if head.returncode != 0:
         pytest.skip("the checkout has no commit yet")
-    assert pip_dry_run(f"lsdl_lab @ git+file://{ROOT}") == ["lsdl_lab"]
+    # the form of the labs' install cell: pip install git+https://github.com/...
+    assert pip_dry_run(f"git+file://{ROOT}") == ["lsdl_lab"]
