@@ -61,12 +61,8 @@ class Adam(Optimizer):
         check_nonnegative("weight_decay value", group["weight_decay"])
 
     def update(self, group, params, grads):
-        (beta1, beta2), lr, eps, lam = (
-            group["betas"],
-            group["lr"],
-            group["eps"],
-            group["weight_decay"],
-        )
+        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+        lam = group["weight_decay"]
         m, v = self.buffers(params, "exp_avg", "exp_avg_sq")
         t = self.count_steps(params)
         if lam and self.decoupled:
