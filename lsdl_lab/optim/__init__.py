@@ -5,8 +5,13 @@ keeps its state in ``state_dict`` and updates all parameters of a group with mul
 (``torch._foreach_*``) operations. :mod:`lsdl_lab.optim.base` holds what they share.
 """
 
+from .adadelta import Adadelta
+from .adagrad import Adagrad
 from .adam import Adam, AdamW
+from .adamax import Adamax
 from .base import Optimizer
+from .nadam import NAdam
+from .rmsprop import RMSprop
 from .sgd import SGD
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
+__all__ = ["SGD", "Adagrad", "RMSprop", "Adadelta", "Adam", "AdamW", "Adamax", "NAdam", "Optimizer"]

@@ -91,10 +91,14 @@ class Optimizer(torch.optim.Optimizer):
                     f"{type(self).__name__} does not support complex parameters "
                     "(optimize torch.view_as_real(p) instead)"
                 )
-        super().add_param_group(param_group)
+        super().add_param_group(param_group)  # fills in the defaults, so check afterwards
         group = self.param_groups[-1]
-        check_nonnegative("learning rate", group["lr"])
-        self.check(group)
+        try:
+            check_nonnegative("learning rate", group["lr"])
+            self.check(group)
+        except ValueError:
+            self.param_groups.pop()  # an invalid group must not stay behind
+            raise
 
     def buffers(
         self, params: list[Tensor], *names: str, like: list[Tensor] | None = None, fill: float = 0.0

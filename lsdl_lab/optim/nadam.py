@@ -1,0 +1,96 @@
+r"""NAdam (Dozat, 2016): Adam with Nesterov momentum, in torch.optim's form, with a
+momentum coefficient that warms up over the steps.
+
+.. math::
+    g_t &\leftarrow g_t + \lambda\, w_{t-1}
+        \quad\text{(or } w_{t-1} \leftarrow (1 - \eta\lambda)\, w_{t-1}
+        \text{ when decoupled)} \\
+    \mu_t &= \beta_1 \bigl(1 - \tfrac12\, 0.96^{\,t\psi}\bigr), \qquad
+    \Pi_t = \textstyle\prod_{k=1}^{t} \mu_k \\
+    m_t &= \beta_1 m_{t-1} + (1-\beta_1)\, g_t \\
+    v_t &= \beta_2 v_{t-1} + (1-\beta_2)\, g_t^2 \\
+    w_t &= w_{t-1} - \eta\,\Bigl(\frac{1-\mu_t}{1-\Pi_t}\, g_t
+           + \frac{\mu_{t+1}}{1-\Pi_t\,\mu_{t+1}}\, m_t\Bigr)
+           \Big/ \Bigl(\sqrt{v_t / (1-\beta_2^t)} + \epsilon\Bigr)
+
+The look-ahead is Nesterov's: the step uses :math:`m_t` with the *next* step's momentum
+coefficient :math:`\mu_{t+1}`, plus the current gradient. :math:`\psi` is the momentum
+decay (``momentum_decay``, :math:`4\cdot10^{-3}` as in Dozat's paper), so
+:math:`\mu_t` rises from about :math:`\beta_1/2` towards :math:`\beta_1`. The decoupled
+weight decay is AdamW's (Loshchilov and Hutter, 2019).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Optimizer, check_betas, check_nonnegative
+
+__all__ = ["NAdam"]
+
+
+class NAdam(Optimizer):
+    """NAdam with momentum warm-up and coupled or decoupled weight decay."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 2e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum_decay: float = 4e-3,
+        decoupled_weight_decay: bool = False,
+        *,
+        foreach: bool = True,
+    ):
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas) if isinstance(betas, list) else betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum_decay=momentum_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
+        super().__init__(params, defaults, foreach)
+
+    def check(self, group):
+        check_betas(group["betas"])
+        check_nonnegative("epsilon value", group["eps"])
+        check_nonnegative("weight_decay value", group["weight_decay"])
+        check_nonnegative("momentum_decay value", group["momentum_decay"])
+
+    def mu_products(self, params):
+        # Pi_t is a 0-dim tensor rounded to the parameter's dtype, not a Python float: torch.optim
+        # keeps it so (in the default dtype, cast to the parameter's by load_state_dict), and
+        # the products then round alike, so results agree bitwise
+        for p in params:
+            self.state[p].setdefault("mu_product", torch.ones((), dtype=p.dtype))
+        return [self.state[p]["mu_product"] for p in params]
+
+    def update(self, group, params, grads):
+        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+        lam, psi = group["weight_decay"], group["momentum_decay"]
+        m, v = self.buffers(params, "exp_avg", "exp_avg_sq")
+        t = self.count_steps(params)
+        if lam and group["decoupled_weight_decay"]:
+            torch._foreach_mul_(params, 1 - lr * lam)
+        elif lam:
+            grads = torch._foreach_add(grads, params, alpha=lam)
+        torch._foreach_lerp_(m, grads, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
+        mu = [beta1 * (1.0 - 0.5 * 0.96 ** (k * psi)) for k in t]
+        mu_next = [beta1 * (1.0 - 0.5 * 0.96 ** ((k + 1) * psi)) for k in t]
+        mu_product = self.mu_products(params)
+        torch._foreach_mul_(mu_product, mu)
+        pi = [x.item() for x in mu_product]
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, [(1 - beta2**k) ** 0.5 for k in t])  # pow, as torch
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(
+            params, grads, denom, [-lr * (1 - a) / (1 - b) for a, b in zip(mu, pi)]
+        )
+        torch._foreach_addcdiv_(
+            params, m, denom, [-lr * a / (1 - b * a) for a, b in zip(mu_next, pi)]
+        )
