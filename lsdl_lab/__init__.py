@@ -19,10 +19,13 @@ _SUBMODULES = {
     "exercises",
     "models",
     "noise",
+    "optim",
     "plot",
+    "problems",
     "scale",
     "student",
     "train",
+    "widgets",
 }
 
 

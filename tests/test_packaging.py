@@ -56,3 +56,31 @@ def test_pip_install_from_a_git_url():
         pytest.skip("the checkout has no commit yet")
     # the form of the labs' install cell: pip install git+https://github.com/...
     assert pip_dry_run(f"git+file://{ROOT}") == ["lsdl_lab"]
+
+
+def test_the_wheel_holds_every_module(tmp_path):
+    """A regular (non-editable) install, as in Colab, must include every subpackage."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("lsdl_lab-*.whl")
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for path in (ROOT / "lsdl_lab").rglob("*.py"):
+        assert str(path.relative_to(ROOT)) in names, path
