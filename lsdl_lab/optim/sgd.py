@@ -14,7 +14,8 @@ Heavy ball is Polyak's (1964) method in the form torch.optim and most libraries 
 (the learning rate multiplies the whole buffer, rather than only the new gradient);
 Nesterov's look-ahead is written in the form of Sutskever et al. (2013), which
 evaluates the gradient at the current weights. The first buffer is the first gradient
-undamped, as in torch.optim, so that results agree step for step.
+undamped, as in torch.optim, so that results agree step for step. Like torch.optim,
+Nesterov's update leaves :math:`d_t` in the gradient buffer ``p.grad``.
 """
 
 from __future__ import annotations
@@ -66,5 +67,11 @@ class SGD(Optimizer):
                 torch._foreach_add_(b, d, alpha=1 - tau)
             else:
                 b = self.buffers(params, "momentum_buffer", like=d)
-            d = torch._foreach_add(d, b, alpha=mu) if group["nesterov"] else b
+            if group["nesterov"]:
+                # In place, as torch.optim does: d (the gradient, or its weight-decayed
+                # copy) is not needed after this step, and a new temporary the size of the
+                # model costs a full pass of fresh memory (measured 1.2-1.7x slower).
+                torch._foreach_add_(d, b, alpha=mu)
+            else:
+                d = b
         torch._foreach_add_(params, d, alpha=-lr)

@@ -1,0 +1,119 @@
+"""Side-by-side timing on a shared machine, and the size of an optimizer's state.
+
+On a machine where other processes come and go, the absolute time of one call drifts by
+tens of percent from minute to minute; the *ratio* of two implementations measured in
+the same moments does not. :func:`compare` therefore calls the implementations in turn
+(A B, B A, A B, ...: each goes first equally often, so neither always finds the caches
+warmed by the other), after warm-up calls that are not timed, and keeps every timing, so
+that a ratio comes with its spread: the ratios of the pairs measured back to back.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Comparison", "compare", "quartiles", "state_bytes_per_param"]
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of ``xs``."""
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+@dataclass
+class Comparison:
+    """Seconds per call of each implementation, one entry per repeat, in call order."""
+
+    times: dict[str, list[float]]
+    order: list[tuple[str, ...]] = field(default_factory=list)  # who ran when, per repeat
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.times[name])
+
+    def iqr(self, name: str) -> tuple[float, float]:
+        q1, _, q3 = quartiles(self.times[name])
+        return q1, q3
+
+    def ratios(self, name: str, baseline: str) -> list[float]:
+        """Per-pair ratios ``name / baseline``, each of two calls made back to back."""
+        return [a / b for a, b in zip(self.times[name], self.times[baseline], strict=True)]
+
+    def ratio(self, name: str, baseline: str) -> float:
+        """The ratio of the medians, ``median(name) / median(baseline)``."""
+        return self.median(name) / self.median(baseline)
+
+    def ratio_iqr(self, name: str, baseline: str) -> tuple[float, float]:
+        """Interquartile range of the per-pair ratios: the spread of :meth:`ratio`."""
+        q1, _, q3 = quartiles(self.ratios(name, baseline))
+        return q1, q3
+
+
+def compare(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 1,
+    setup: Callable[[], object] | None = None,
+    timer: Callable[[], float] = time.perf_counter,
+) -> Comparison:
+    """Time each function of ``fns`` ``repeats`` times, interleaved.
+
+    Round ``r`` calls the functions once each, starting from the ``r``-th (mod ``len(fns)``)
+    and going round, so that with two functions the order alternates A B, B A, A B, ...
+    ``warmup`` rounds run first and are not timed. ``setup``, when given, runs before
+    every call, untimed (e.g. to restore inputs that a function overwrites). The garbage
+    collector is off while timing, as in :mod:`timeit`.
+    """
+    if not fns:
+        raise ValueError("compare needs at least one function")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"Invalid repeats={repeats!r} or warmup={warmup!r}")
+    names = list(fns)
+    result = Comparison({name: [] for name in names})
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(warmup + repeats):
+            k = r % len(names)
+            order = tuple(names[k:] + names[:k])
+            for name in order:
+                if setup is not None:
+                    setup()
+                t0 = timer()
+                fns[name]()
+                t1 = timer()
+                if r >= warmup:
+                    result.times[name].append(t1 - t0)
+            if r >= warmup:
+                result.order.append(order)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return result
+
+
+def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
+    """Bytes of every tensor in ``optimizer.state``, divided by the number of parameters.
+
+    Every tensor counts, including torch.optim's 0-d ``step`` tensors (4 bytes per
+    parameter *tensor*, so under 1e-4 bytes per parameter for the benchmark's models);
+    a Python number in the state (``lsdl_lab`` keeps ``step`` as an ``int``) counts 0.
+    Parameters shared by several groups or tied modules count once.
+    """
+    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    n = sum(p.numel() for p in params.values())
+    nbytes = sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+    return nbytes / n if n else 0.0
