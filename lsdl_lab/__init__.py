@@ -17,6 +17,7 @@ _SUBMODULES = {
     "check",
     "data",
     "exercises",
+    "hessian",
     "models",
     "noise",
     "optim",
