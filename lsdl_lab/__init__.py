@@ -7,27 +7,15 @@ One module per idea (see the book's chapter table). Submodules load on first use
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 from .scale import Profile, setup
 
 __version__ = "0.1.0"
 __all__ = ["Profile", "setup", "__version__"]
 
-_SUBMODULES = {
-    "check",
-    "data",
-    "exercises",
-    "hessian",
-    "models",
-    "noise",
-    "optim",
-    "plot",
-    "problems",
-    "scale",
-    "student",
-    "train",
-    "widgets",
-}
+# Every module of the package, found on disk, so a new module needs no registration here.
+_SUBMODULES = {m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")}
 
 
 def __getattr__(name: str):

@@ -84,3 +84,13 @@ def test_the_wheel_holds_every_module(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in (ROOT / "lsdl_lab").rglob("*.py"):
         assert str(path.relative_to(ROOT)) in names, path
+
+
+def test_every_module_is_reachable_as_an_attribute():
+    import lsdl_lab
+
+    for path in (ROOT / "lsdl_lab").iterdir():
+        name = path.stem
+        if name.startswith("_") or not (path.suffix == ".py" or (path / "__init__.py").exists()):
+            continue
+        assert getattr(lsdl_lab, name).__name__ == f"lsdl_lab.{name}"
