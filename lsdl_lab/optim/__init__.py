@@ -10,8 +10,22 @@ from .adagrad import Adagrad
 from .adam import Adam, AdamW
 from .adamax import Adamax
 from .base import Optimizer
+from .lamb import LAMB
+from .lars import LARS
 from .nadam import NAdam
 from .rmsprop import RMSprop
 from .sgd import SGD
 
-__all__ = ["SGD", "Adagrad", "RMSprop", "Adadelta", "Adam", "AdamW", "Adamax", "NAdam", "Optimizer"]
+__all__ = [
+    "SGD",
+    "Adagrad",
+    "RMSprop",
+    "Adadelta",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "NAdam",
+    "LARS",
+    "LAMB",
+    "Optimizer",
+]
