@@ -86,7 +86,8 @@ def test_a_cell_that_raises_fails_the_build(tmp_path):
         "kernelspec:\n  display_name: Python 3\n  language: python\n  name: python3\n---\n"
         "# A page\n\n```{code-cell} ipython3\nraise ValueError('this cell fails')\n```\n"
     )
-    proc = subprocess.run([str(JB), "build", str(tmp_path), "-W"], capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [str(JB), "build", str(tmp_path), "-W"], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode != 0
     assert "this cell fails" in proc.stdout + proc.stderr
