@@ -34,7 +34,11 @@ __all__ = [
     "flat_gradient",
     "gradient_noise",
     "minibatch_gradient_variance",
+    "noise_scale_from_norms",
+    "estimate_noise_scale",
+    "NoiseScaleEstimate",
     "per_example_gradients",
+    "steps_and_examples",
 ]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -181,3 +185,83 @@ def minibatch_gradient_variance(
             )
         )
     return results
+
+
+@dataclass(frozen=True)
+class NoiseScaleEstimate:
+    """McCandlish et al.'s unbiased estimates from gradient norms at two batch sizes."""
+
+    grad_norm_sq: float  # estimate of ||g||^2
+    trace_cov: float  # estimate of tr Sigma
+    b_small: int
+    b_big: int
+
+    @property
+    def simple_noise_scale(self) -> float:
+        """B_simple = tr Sigma / ||g||^2, the critical batch size's estimate."""
+        return self.trace_cov / self.grad_norm_sq
+
+
+def noise_scale_from_norms(
+    norm_sq_small: float, norm_sq_big: float, b_small: int, b_big: int
+) -> NoiseScaleEstimate:
+    r"""The estimators of McCandlish et al. (2018), Appendix A.1.
+
+    Since :math:`\mathbb E\|g_B\|^2 = \|g\|^2 + \operatorname{tr}\Sigma / B`, the squared
+    norms measured at two batch sizes :math:`B_s < B_b` give unbiased estimates
+
+    .. math::
+        \|\mathcal G\|^2 = \frac{B_b \|g_{B_b}\|^2 - B_s \|g_{B_s}\|^2}{B_b - B_s}, \qquad
+        \mathcal S = \frac{\|g_{B_s}\|^2 - \|g_{B_b}\|^2}{1/B_s - 1/B_b}.
+
+    In data-parallel training they come for free: :math:`B_s` is one worker's batch and
+    :math:`B_b` the global batch after the all-reduce. Average each estimate over many
+    steps before dividing; the ratio of averages is the paper's recommendation.
+    """
+    if not (isinstance(b_small, int) and isinstance(b_big, int) and 1 <= b_small < b_big):
+        raise ValueError(
+            f"Invalid batch sizes: b_small={b_small!r}, b_big={b_big!r} "
+            "(expected ints with 1 <= b_small < b_big)"
+        )
+    g2 = (b_big * norm_sq_big - b_small * norm_sq_small) / (b_big - b_small)
+    trace = (norm_sq_small - norm_sq_big) / (1 / b_small - 1 / b_big)
+    return NoiseScaleEstimate(g2, trace, b_small, b_big)
+
+
+def estimate_noise_scale(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    b_small: int,
+    b_big: int,
+    samples: int = 32,
+    seed: int = 0,
+) -> NoiseScaleEstimate:
+    """Measure ||g_B||^2 on ``samples`` random batches of each size (with replacement) and
+    apply :func:`noise_scale_from_norms` to the averages."""
+    n = x.shape[0]
+    for name, b in (("b_small", b_small), ("b_big", b_big)):
+        if not isinstance(b, int) or not 1 <= b <= n:
+            raise ValueError(f"Invalid {name}: {b!r} (expected an int in [1, {n}])")
+    if samples < 1:
+        raise ValueError(f"Invalid samples: {samples} (expected >= 1)")
+    gen = torch.Generator().manual_seed(seed)
+    means = []
+    for b in (b_small, b_big):
+        total = 0.0
+        for _ in range(samples):
+            idx = torch.randint(n, (b,), generator=gen).to(x.device)
+            total += flat_gradient(model, loss_fn, x[idx], y[idx]).square().sum().item()
+        means.append(total / samples)
+    return noise_scale_from_norms(means[0], means[1], b_small, b_big)
+
+
+def steps_and_examples(batch_size, b_noise: float, s_min: float, e_min: float | None = None):
+    r"""McCandlish et al.'s trade-off: steps :math:`S = S_{min}(1 + B_{noise}/B)` and examples
+    :math:`E = E_{min}(1 + B/B_{noise})` to reach a given loss, with
+    :math:`E_{min} = S_{min} B_{noise}` unless given. Works on floats or arrays."""
+    if b_noise <= 0 or s_min <= 0:
+        raise ValueError(f"Invalid b_noise or s_min: {b_noise}, {s_min} (expected > 0)")
+    e_min = s_min * b_noise if e_min is None else e_min
+    return s_min * (1 + b_noise / batch_size), e_min * (1 + batch_size / b_noise)

@@ -94,3 +94,39 @@ def test_bad_samples_and_chunk():
         noise.minibatch_gradient_variance(model, F.cross_entropy, x, y, [2], samples=1)
     with pytest.raises(ValueError, match="Invalid chunk_size"):
         noise.per_example_gradients(model, F.cross_entropy, x, y, chunk_size=0)
+
+
+def test_noise_scale_from_norms_is_exact_on_expected_norms():
+    g2, trace = 2.0, 50.0
+    est = noise.noise_scale_from_norms(g2 + trace / 4, g2 + trace / 64, 4, 64)
+    assert est.grad_norm_sq == pytest.approx(g2) and est.trace_cov == pytest.approx(trace)
+    assert est.simple_noise_scale == pytest.approx(25.0)
+
+
+def test_two_batch_estimate_matches_the_closed_form_noise_scale():
+    """Linear regression: tr Sigma and ||g||^2 are known exactly from per-example gradients."""
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(500, 4, generator=gen), torch.randn(500, generator=gen)
+    model = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+
+    def loss_fn(out, target):
+        return 0.5 * (out.squeeze(-1) - target).square().mean()
+
+    exact = noise.gradient_noise(model, loss_fn, x, y)
+    est = noise.estimate_noise_scale(model, loss_fn, x, y, 2, 64, samples=3000, seed=1)
+    assert est.trace_cov == pytest.approx(exact.trace_cov, rel=0.1)
+    assert est.grad_norm_sq == pytest.approx(exact.mean.square().sum().item(), rel=0.1)
+    assert est.simple_noise_scale == pytest.approx(exact.simple_noise_scale, rel=0.2)
+
+
+def test_steps_and_examples_trade_off():
+    s, e = noise.steps_and_examples(10.0, b_noise=10.0, s_min=100.0)
+    assert (s, e) == (200.0, 2000.0)  # at B = B_noise: twice the minimal steps and examples
+
+
+@pytest.mark.parametrize("b_small,b_big", [(0, 4), (4, 4), (8, 4), (2.0, 4)])
+def test_bad_noise_scale_batches(b_small, b_big):
+    with pytest.raises(ValueError, match="Invalid batch sizes"):
+        noise.noise_scale_from_norms(1.0, 0.5, b_small, b_big)
