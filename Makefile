@@ -15,7 +15,7 @@ export OMP_NUM_THREADS ?= 1
 export TQDM_DISABLE ?= 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: setup book test lint student clean
+.PHONY: setup book test lint student bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ lint: $(STAMP)
 
 test: lint
 	LSDL_SCALE=smoke $(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax tests labs
+
+# Not part of `make test`: minutes of timing, written to benchmarks/results/.
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.optimizers
 
 student: $(STAMP)
 	$(BIN)/lsdl-student labs/*.ipynb -o student/
