@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Optimizer, check_beta, check_nonnegative
+from .base import Optimizer, check_beta
 
 __all__ = ["Adadelta"]
 
@@ -41,8 +41,6 @@ class Adadelta(Optimizer):
 
     def check(self, group):
         check_beta("rho value", group["rho"], upper_inclusive=True)
-        check_nonnegative("epsilon value", group["eps"])
-        check_nonnegative("weight_decay value", group["weight_decay"])
 
     def update(self, group, params, grads):
         lr, rho, eps, lam = group["lr"], group["rho"], group["eps"], group["weight_decay"]

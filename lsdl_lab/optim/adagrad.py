@@ -48,9 +48,7 @@ class Adagrad(Optimizer):
 
     def check(self, group):
         check_nonnegative("lr_decay value", group["lr_decay"])
-        check_nonnegative("weight_decay value", group["weight_decay"])
         check_nonnegative("initial_accumulator_value value", group["initial_accumulator_value"])
-        check_nonnegative("epsilon value", group["eps"])
 
     def update(self, group, params, grads):
         lr, delta, eps, lam = group["lr"], group["lr_decay"], group["eps"], group["weight_decay"]

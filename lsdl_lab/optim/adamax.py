@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Optimizer, check_betas, check_nonnegative
+from .base import Optimizer
 
 __all__ = ["Adamax"]
 
@@ -37,16 +37,11 @@ class Adamax(Optimizer):
     ):
         defaults = dict(
             lr=lr,
-            betas=tuple(betas) if isinstance(betas, list) else betas,
+            betas=betas,
             eps=eps,
             weight_decay=weight_decay,
         )
         super().__init__(params, defaults, foreach)
-
-    def check(self, group):
-        check_betas(group["betas"])
-        check_nonnegative("epsilon value", group["eps"])
-        check_nonnegative("weight_decay value", group["weight_decay"])
 
     def update(self, group, params, grads):
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]

@@ -65,8 +65,7 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(foreach, bool):
             raise TypeError(f"Invalid foreach: {foreach!r} (expected True or False)")
         self.foreach = foreach
-        check_nonnegative("learning rate", defaults.get("lr", 0.0))
-        self.check(defaults)
+        self._check_group(defaults)
         super().__init__(params, defaults)
 
     # -- what a subclass provides ---------------------------------------------------------
@@ -79,6 +78,16 @@ class Optimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     # -- what the base provides -----------------------------------------------------------
+
+    def _check_group(self, group: dict) -> None:
+        """The hyperparameters many optimizers share, checked once here; then ``check``."""
+        check_nonnegative("learning rate", group.get("lr", 0.0))
+        if "betas" in group:
+            check_betas(group["betas"])
+        for key, what in (("eps", "epsilon value"), ("weight_decay", "weight_decay value")):
+            if key in group:
+                check_nonnegative(what, group[key])
+        self.check(group)
 
     def add_param_group(self, param_group: dict) -> None:
         for p in (
@@ -93,9 +102,10 @@ class Optimizer(torch.optim.Optimizer):
                 )
         super().add_param_group(param_group)  # fills in the defaults, so check afterwards
         group = self.param_groups[-1]
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])  # a pair, whichever sequence was given
         try:
-            check_nonnegative("learning rate", group["lr"])
-            self.check(group)
+            self._check_group(group)
         except ValueError:
             self.param_groups.pop()  # an invalid group must not stay behind
             raise

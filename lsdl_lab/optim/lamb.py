@@ -59,7 +59,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Optimizer, check_betas, check_nonnegative
+from .base import Optimizer
 from .lars import check_bool
 
 __all__ = ["LAMB"]
@@ -98,7 +98,7 @@ class LAMB(Optimizer):
     ):
         defaults = dict(
             lr=lr,
-            betas=tuple(betas) if isinstance(betas, list) else betas,
+            betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             bias_correction=bias_correction,
@@ -108,9 +108,6 @@ class LAMB(Optimizer):
         super().__init__(params, defaults, foreach)
 
     def check(self, group):
-        check_betas(group["betas"])
-        check_nonnegative("epsilon value", group["eps"])
-        check_nonnegative("weight_decay value", group["weight_decay"])
         check_bool("bias_correction", group["bias_correction"])
         check_bool("trust", group["trust"])
         check_clamp(group["clamp"])

@@ -109,9 +109,7 @@ class LARS(Optimizer):
 
     def check(self, group):
         check_beta("momentum value", group["momentum"])
-        check_nonnegative("weight_decay value", group["weight_decay"])
         check_positive("trust_coefficient value", group["trust_coefficient"])
-        check_nonnegative("epsilon value", group["eps"])
         check_bool("nesterov", group["nesterov"])
         check_bool("trust", group["trust"])
         if group["nesterov"] and group["momentum"] <= 0:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Optimizer, check_betas, check_nonnegative
+from .base import Optimizer, check_nonnegative
 
 __all__ = ["NAdam"]
 
@@ -46,7 +46,7 @@ class NAdam(Optimizer):
     ):
         defaults = dict(
             lr=lr,
-            betas=tuple(betas) if isinstance(betas, list) else betas,
+            betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             momentum_decay=momentum_decay,
@@ -55,9 +55,6 @@ class NAdam(Optimizer):
         super().__init__(params, defaults, foreach)
 
     def check(self, group):
-        check_betas(group["betas"])
-        check_nonnegative("epsilon value", group["eps"])
-        check_nonnegative("weight_decay value", group["weight_decay"])
         check_nonnegative("momentum_decay value", group["momentum_decay"])
 
     def mu_products(self, params):

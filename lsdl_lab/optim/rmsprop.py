@@ -54,8 +54,6 @@ class RMSprop(Optimizer):
     def check(self, group):
         # torch.optim accepts any alpha >= 0; above 1 the average is no longer an average
         check_beta("alpha value", group["alpha"], upper_inclusive=True)
-        check_nonnegative("epsilon value", group["eps"])
-        check_nonnegative("weight_decay value", group["weight_decay"])
         check_nonnegative("momentum value", group["momentum"])
 
     def update(self, group, params, grads):

@@ -53,7 +53,6 @@ class SGD(Optimizer):
     def check(self, group):
         check_nonnegative("momentum value", group["momentum"])
         check_nonnegative("dampening value", group["dampening"])
-        check_nonnegative("weight_decay value", group["weight_decay"])
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
