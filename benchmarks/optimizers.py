@@ -13,6 +13,14 @@ parameters, each with its own state, warmed by several steps before timing; the 
 are then timed in turn (A B, B A, ...) so that both see the same moments of a shared
 machine. Every optimizer that ``lsdl_lab.optim.__all__`` exports and torch.optim also has
 is included, found by name at run time.
+
+``LARS`` and ``LAMB``, which torch.optim lacks, get rows of their own, in a separate table
+per size, each timed in the same interleaved way against two references: the torch.optim
+foreach algorithm with the same memory traffic (LARS against ``SGD(momentum=0.9)``, LAMB
+against ``AdamW``; the layer-wise step adds a norm per tensor and the trust ratios to that
+traffic), and pytorch-optimizer's ``LARS`` and ``Lamb`` with the settings that make the
+two compute the same update (skipped, with a note, when ``pytorch_optimizer`` is not
+installed). ``--only LARS,LAMB`` times those rows alone.
 """
 
 from __future__ import annotations
@@ -75,6 +83,88 @@ CONFIGS = {
 }
 
 
+# Layer-wise optimizers with no torch.optim namesake: (label, reference, factory of the two
+# optimizers of the pair from the parameter list). The references' settings:
+# * torch.optim: the same algorithm without the trust ratio, so the same state and
+#   memory traffic (every tensor adapted, no weight decay on either side).
+# * pytorch-optimizer (as tests/test_lars_lamb.py): its LARS adapts tensors with two or more
+#   dimensions only and gives the others plain momentum SGD without decay, and has no eps
+#   (ours: the groups of ``param_groups_for_layerwise``, eps=0); its Lamb corrects no
+#   moment inside the ratio, clamps ||w|| at 10 and decays inside the ratio with
+#   weight_decouple=False (ours: bias_correction=False, clamp=(0, 10)); it divides the step
+#   by 1 - beta1^t, which changes the values but not the work. foreach=True on both.
+LR_LARS, LR_LAMB, WD_LARS, WD_LAMB = 0.1, 1e-3, 1e-4, 0.01
+
+
+def layerwise_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
+    """``lsdl_lab.optim.lars.param_groups_for_layerwise`` for a parameter list."""
+    groups = [
+        dict(params=[p for p in params if p.ndim >= 2], weight_decay=weight_decay),
+        dict(params=[p for p in params if p.ndim < 2], weight_decay=0.0, trust=False),
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def pytorch_optimizer():
+    """The ``pytorch_optimizer`` module, or None when it cannot be imported."""
+    try:
+        import pytorch_optimizer as po
+    except ImportError:
+        return None
+    return po
+
+
+def layerwise_configurations() -> list[tuple[str, str, Callable]]:
+    """(label, reference, make) of the LARS and LAMB rows; ``make(params)`` returns the pair
+    (lsdl_lab optimizer, reference optimizer), or raises ImportError for a missing one."""
+    from lsdl_lab.optim import LAMB, LARS
+
+    def po_class(name):
+        po = pytorch_optimizer()
+        if po is None:
+            raise ImportError("pytorch_optimizer is not installed")
+        return getattr(po, name)
+
+    return [
+        (
+            "LARS",
+            "torch.optim SGD momentum=0.9",
+            lambda ps: (
+                LARS(ps, lr=LR_LARS, momentum=0.9),
+                torch.optim.SGD(ps, lr=LR_LARS, momentum=0.9, foreach=True),
+            ),
+        ),
+        (
+            "LARS",
+            f"pytorch-optimizer LARS weight_decay={WD_LARS:g}",
+            lambda ps: (
+                LARS(layerwise_groups(ps, WD_LARS), lr=LR_LARS, momentum=0.9, eps=0.0),
+                po_class("LARS")(ps, lr=LR_LARS, momentum=0.9, weight_decay=WD_LARS, foreach=True),
+            ),
+        ),
+        (
+            "LAMB",
+            f"torch.optim AdamW weight_decay={WD_LAMB:g}",
+            lambda ps: (
+                LAMB(ps, lr=LR_LAMB, weight_decay=WD_LAMB),
+                torch.optim.AdamW(ps, lr=LR_LAMB, eps=1e-6, weight_decay=WD_LAMB, foreach=True),
+            ),
+        ),
+        (
+            "LAMB",
+            f"pytorch-optimizer Lamb weight_decay={WD_LAMB:g}",
+            lambda ps: (
+                LAMB(
+                    ps, lr=LR_LAMB, weight_decay=WD_LAMB, bias_correction=False, clamp=(0.0, 10.0)
+                ),
+                po_class("Lamb")(
+                    ps, lr=LR_LAMB, weight_decay=WD_LAMB, weight_decouple=False, foreach=True
+                ),
+            ),
+        ),
+    ]
+
+
 def optimizer_names() -> list[str]:
     """Names in ``lsdl_lab.optim.__all__`` that are optimizers torch.optim also has."""
     names = []
@@ -113,6 +203,7 @@ class Row:
     torch_bytes: float = float("nan")
     writes_grad: str = ""  # which implementation's step writes into p.grad, if any
     skipped: str = ""
+    reference: str = ""  # set for the LARS and LAMB rows: what lsdl_lab is compared with
 
 
 def describe(size: str, params: list[torch.Tensor]) -> str:
@@ -135,8 +226,10 @@ def time_pair(
     repeats: int | None,
     budget: float,
     warmup: int,
+    reference: str = "torch",
 ) -> None:
-    """Warm both optimizers up, then time their steps in alternation into ``row``."""
+    """Warm both optimizers up, then time their steps in alternation into ``row``;
+    ``steps`` holds ``lsdl_lab`` and ``reference``."""
 
     def restore_grads():
         torch._foreach_copy_(grads, fixed)
@@ -156,15 +249,31 @@ def time_pair(
     setup = restore_grads if row.writes_grad else None
     result = compare(steps, repeats=row.pairs, warmup=0, setup=setup)
     row.ours_ms = 1e3 * result.median("lsdl_lab")
-    row.torch_ms = 1e3 * result.median("torch")
-    row.ratio = result.ratio("lsdl_lab", "torch")
-    row.ratio_q1, row.pair_median, row.ratio_q3 = quartiles(result.ratios("lsdl_lab", "torch"))
+    row.torch_ms = 1e3 * result.median(reference)
+    row.ratio = result.ratio("lsdl_lab", reference)
+    row.ratio_q1, row.pair_median, row.ratio_q3 = quartiles(result.ratios("lsdl_lab", reference))
+
+
+def log_row(row: Row, log) -> None:
+    against = f"  vs {row.reference}:" if row.reference else ""
+    log(
+        f"  {row.label:<24}{against} lsdl_lab {row.ours_ms:9.3f} ms  "
+        f"{'reference' if row.reference else 'torch'} {row.torch_ms:9.3f} ms  "
+        f"ratio {row.ratio:.3f} (IQR {row.ratio_q1:.3f}-{row.ratio_q3:.3f}, "
+        f"{row.pairs} pairs)" + (f"  [{row.writes_grad} writes p.grad]" * bool(row.writes_grad))
+    )
 
 
 def benchmark_size(
-    size: str, repeats: int | None, budget: float, warmup: int, log=print
+    size: str,
+    repeats: int | None,
+    budget: float,
+    warmup: int,
+    log=print,
+    only: set[str] | None = None,
 ) -> tuple[str, list[Row]]:
-    """Time every configuration on the model of ``size``; returns its description and rows."""
+    """Time every configuration on the model of ``size`` (those of the optimizers named in
+    ``only``, when given); returns its description and rows."""
     torch.manual_seed(0)
     params = list(SIZES[size][1]().parameters())  # tied weights once
     header = describe(size, params)
@@ -175,6 +284,8 @@ def benchmark_size(
     grads = [p.grad for p in params]
     rows = []
     for label, name, kwargs in configurations():
+        if only is not None and name not in only:
+            continue
         row = Row(label)
         rows.append(row)
         try:
@@ -188,12 +299,26 @@ def benchmark_size(
         time_pair(row, steps, grads, fixed, repeats, budget, warmup)
         row.ours_bytes = state_bytes_per_param(ours)
         row.torch_bytes = state_bytes_per_param(theirs)
-        log(
-            f"  {label:<24} lsdl_lab {row.ours_ms:9.3f} ms  torch {row.torch_ms:9.3f} ms  "
-            f"ratio {row.ratio:.3f} (IQR {row.ratio_q1:.3f}-{row.ratio_q3:.3f}, "
-            f"{row.pairs} pairs)" + (f"  [{row.writes_grad} writes p.grad]" * bool(row.writes_grad))
-        )
+        log_row(row, log)
         for opt in (ours, theirs):  # free the state now: torch.optim's Adam sits in a cycle
+            opt.state.clear()
+    for label, reference, make in layerwise_configurations():
+        if only is not None and label not in only:
+            continue
+        row = Row(label, reference=reference)
+        rows.append(row)
+        try:
+            ours, theirs = make(params)
+        except ImportError as e:
+            row.skipped = f"skipped: {e}"
+            log(f"  {label:<24}  vs {reference}: {row.skipped}")
+            continue
+        steps = {"lsdl_lab": ours.step, "reference": theirs.step}
+        time_pair(row, steps, grads, fixed, repeats, budget, warmup, reference="reference")
+        row.ours_bytes = state_bytes_per_param(ours)
+        row.torch_bytes = state_bytes_per_param(theirs)
+        log_row(row, log)
+        for opt in (ours, theirs):
             opt.state.clear()
     return header, rows
 
@@ -262,15 +387,16 @@ def table(sections: list[tuple[str, list[Row]]], lines_machine: list[str]) -> st
         "B/param: bytes of optimizer state per parameter.",
     ]
     all_ratios = []
-    for header, rows in sections:
-        out += [
-            "",
-            f"## {header}",
-            "",
-            "| optimizer | lsdl_lab ms | torch ms | ratio | pair ratios: median [IQR] | pairs "
-            "| B/param lsdl_lab | B/param torch |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-        ]
+    for header, all_rows in sections:
+        rows = [r for r in all_rows if not r.reference]
+        out += ["", f"## {header}"]
+        if rows:
+            out += [
+                "",
+                "| optimizer | lsdl_lab ms | torch ms | ratio | pair ratios: median [IQR] | pairs "
+                "| B/param lsdl_lab | B/param torch |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|",
+            ]
         for r in rows:
             if r.skipped:
                 out.append(f"| {r.label} | | | | | | | {r.skipped} |")
@@ -288,6 +414,7 @@ def table(sections: list[tuple[str, list[Row]]], lines_machine: list[str]) -> st
                 f"† {who}: `step()` writes into `p.grad` (in place); the fixed gradients "
                 "are restored before every step of this row, untimed.",
             ]
+        out += layerwise_table([r for r in all_rows if r.reference])
     if all_ratios:
         out += ["", "## Summary", ""]
         for size in dict.fromkeys(size for _, size, _ in all_ratios):
@@ -296,6 +423,42 @@ def table(sections: list[tuple[str, list[Row]]], lines_machine: list[str]) -> st
         above = [f"{label} at {size} ({r:.2f})" for r, size, label in all_ratios if r > GOAL]
         out.append(f"- above {GOAL}: " + ("; ".join(above) if above else "none"))
     return "\n".join(out) + "\n"
+
+
+def layerwise_table(rows: list[Row]) -> list[str]:
+    """The LARS and LAMB rows of one size, against their references (not in the summary:
+    the torch.optim references do less work by design, so the goal does not apply)."""
+    if not rows:
+        return []
+    out = [
+        "",
+        "Layer-wise optimizers (no torch.optim namesake), against references: ratio = "
+        "lsdl_lab / reference. Against torch.optim, a ratio above 1 is the cost of the "
+        "trust ratio (a norm per tensor and its use), not a gap.",
+        "",
+        "| optimizer | reference | lsdl_lab ms | reference ms | ratio "
+        "| pair ratios: median [IQR] | pairs | B/param lsdl_lab | B/param reference |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r.skipped:
+            out.append(f"| {r.label} | {r.reference} | | | | | | | {r.skipped} |")
+            continue
+        mark = " †" if r.writes_grad else ""
+        out.append(
+            f"| {r.label}{mark} | {r.reference} | {r.ours_ms:.3f} | {r.torch_ms:.3f} "
+            f"| {r.ratio:.2f} | {r.pair_median:.2f} [{r.ratio_q1:.2f}–{r.ratio_q3:.2f}] "
+            f"| {r.pairs} | {r.ours_bytes:.3f} | {r.torch_bytes:.3f} |"
+        )
+    for r in rows:
+        if r.writes_grad:
+            who = r.writes_grad.replace("reference", r.reference)
+            out += [
+                "",
+                f"† {who}: `step()` writes into `p.grad` (in place); the fixed gradients "
+                "are restored before every step of this row, untimed.",
+            ]
+    return out
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -313,6 +476,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="the tiny model, 5 pairs: a test")
     parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated lsdl_lab optimizer names (e.g. LARS,LAMB): their rows alone; "
+        "no file is written unless --out is given",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help=f"Markdown file (default {DEFAULT_OUT})"
     )
     args = parser.parse_args(argv)
@@ -326,18 +495,27 @@ def main(argv: list[str] | None = None) -> str:
         parser.error("--repeats must be at least 1")
     if args.warmup < 1 or args.threads < 1:
         parser.error("--warmup and --threads must be at least 1")
+    only = None
+    if args.only is not None:
+        only = {s.strip() for s in args.only.split(",") if s.strip()}
+        known = {name for _, name, _ in configurations()} | {
+            label for label, _, _ in layerwise_configurations()
+        }
+        if not only or only - known:
+            parser.error(f"unknown --only {sorted(only - known)}; choose from {sorted(known)}")
     torch.set_num_threads(args.threads)
 
     def log(*a):
         print(*a, file=sys.stderr, flush=True)
 
     head = machine(args.threads, args.repeats, args.budget, args.warmup)
-    sections = [benchmark_size(s, args.repeats, args.budget, args.warmup, log) for s in sizes]
+    sections = [benchmark_size(s, args.repeats, args.budget, args.warmup, log, only) for s in sizes]
     if hasattr(os, "getloadavg"):
         head.append("- load average at end " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     text = table(sections, head)
     print(text, end="")
-    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
+    default = None if args.quick or only is not None else DEFAULT_OUT
+    out = args.out if args.out is not None else default
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)

@@ -184,4 +184,19 @@ def test_quick_run_writes_a_table_with_every_optimizer(tmp_path, monkeypatch, ca
         assert f"| {label} " in text, label
     for name in optimizers.optimizer_names():
         assert f"| {name} " in text
-    assert "skipped" not in text and "| nan" not in text
+    # LARS and LAMB, which torch.optim lacks: against torch.optim and pytorch-optimizer
+    for label, reference, _ in optimizers.layerwise_configurations():
+        assert f"| {label} " in text and f"| {reference} |" in text, reference
+    assert "| nan" not in text
+    if optimizers.pytorch_optimizer() is None:
+        assert text.count("skipped: pytorch_optimizer is not installed") == 2
+    else:
+        assert "skipped" not in text
+
+
+def test_only_times_the_named_optimizers(capsys):
+    text = optimizers.main(["--quick", "--only", "LARS,LAMB", "--repeats", "2"])
+    assert "| LARS " in text and "| LAMB " in text
+    assert "| SGD " not in text and "| Adam " not in text and "## Summary" not in text
+    with pytest.raises(SystemExit):
+        optimizers.main(["--quick", "--only", "LION"])
