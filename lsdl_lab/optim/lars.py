@@ -37,6 +37,9 @@ Variant choices, and how they compare:
   for a constant rate, and under a schedule ours is the paper's with Goyal et al.'s (2017)
   *momentum correction*. With ``trust=False`` the update is :class:`~lsdl_lab.optim.SGD`
   with momentum and weight decay, operation for operation.
+* **In place**: the step scales :math:`d_t` by :math:`\tau` where it lies, so without
+  weight decay it leaves :math:`\tau g_t` in ``p.grad`` (as pytorch-optimizer's LARS
+  does); a copy the size of the model on every step was the slowest part of the update.
 * **Excluded layers**: biases and normalization parameters are usually left out of the
   adaptation and the decay (the authors' TensorFlow LARS and LAMB exclude from adaptation
   what they exclude from weight decay; timm adapts only groups with weight decay;
@@ -126,10 +129,10 @@ class LARS(Optimizer):
             tau = eta * w_norm / (denom + eps)
             tau = torch.where((w_norm > 0) & (denom > 0), tau, 1.0)
             # One device-to-host copy per step: the ratios become per-tensor Python scalars.
-            if lam:  # d is already a copy of the gradient
-                torch._foreach_mul_(d, tau.tolist())
-            else:
-                d = torch._foreach_mul(grads, tau.tolist())
+            # In place, as pytorch-optimizer's LARS does (and torch.optim's Nesterov SGD):
+            # d is the gradient or its weight-decayed copy, and a fresh copy the size of the
+            # model every step cost more than both norms together (benchmarks/README.md).
+            torch._foreach_mul_(d, tau.tolist())
         if mu:
             if self.has_state(params, "momentum_buffer"):
                 b = self.buffers(params, "momentum_buffer")
