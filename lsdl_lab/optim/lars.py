@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from .base import Optimizer, check_beta, check_nonnegative
+from .sgd import SGD
 
 __all__ = ["LARS", "param_groups_for_layerwise"]
 
@@ -119,7 +120,7 @@ class LARS(Optimizer):
             raise ValueError("Nesterov momentum requires a momentum")
 
     def update(self, group, params, grads):
-        lr, mu, lam = group["lr"], group["momentum"], group["weight_decay"]
+        lam = group["weight_decay"]
         eta, eps = group["trust_coefficient"], group["eps"]
         d = torch._foreach_add(grads, params, alpha=lam) if lam else grads
         if group["trust"]:
@@ -133,17 +134,6 @@ class LARS(Optimizer):
             # d is the gradient or its weight-decayed copy, and a fresh copy the size of the
             # model every step cost more than both norms together (benchmarks/README.md).
             torch._foreach_mul_(d, tau.tolist())
-        if mu:
-            if self.has_state(params, "momentum_buffer"):
-                b = self.buffers(params, "momentum_buffer")
-                torch._foreach_mul_(b, mu)
-                torch._foreach_add_(b, d)
-            else:
-                b = self.buffers(params, "momentum_buffer", like=d)
-            if group["nesterov"]:
-                # In place, as SGD: without the trust ratio d is the gradient (or its
-                # weight-decayed copy), and torch.optim also leaves d + mu b in p.grad.
-                torch._foreach_add_(d, b, alpha=mu)
-            else:
-                d = b
-        torch._foreach_add_(params, d, alpha=-lr)
+        # The rest is SGD's momentum step on d, undamped and without decay (already in d);
+        # SGD.update needs only the state helpers every optimizer's base provides.
+        SGD.update(self, {**group, "weight_decay": 0.0, "dampening": 0.0}, params, d)
