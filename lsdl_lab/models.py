@@ -13,7 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "MLP", "ResNet", "count_parameters", "gpt_for", "resnet_for"]
+__all__ = [
+    "GPT",
+    "GhostBatchNorm2d",
+    "MLP",
+    "ResNet",
+    "count_parameters",
+    "ghost_batch_norm",
+    "gpt_for",
+    "resnet_for",
+]
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
@@ -56,6 +65,75 @@ class MLP(_Counted):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class GhostBatchNorm2d(nn.BatchNorm2d):
+    """Ghost batch normalization (Hoffer, Hubara & Soudry, 2017, Section 4.1, Algorithm 1).
+
+    In training, the batch is split into *ghost batches* of ``ghost_batch_size`` examples
+    (``x.split(ghost_batch_size)``: when the batch size is not a multiple, the last ghost
+    batch is the smaller remainder) and each is normalized with its own mean and variance,
+    so a large batch sees the normalization noise of small ones, which Hoffer et al. found
+    closes part of the generalization gap of large-batch training. The running statistics
+    are updated once per ghost batch, with BatchNorm's momentum, as in Hoffer et al.'s
+    implementation: a batch of k ghost batches makes k updates (and adds k to
+    ``num_batches_tracked``). In evaluation this is exactly ``nn.BatchNorm2d``.
+
+    ``ghost_batch_size >= batch size`` is plain BatchNorm2d. ``ghost_batch_size=1``
+    normalizes each image over its own pixels (instance normalization), and fails, as
+    BatchNorm2d does, on 1x1 feature maps. ``bn_kwargs`` are BatchNorm2d's (``eps``,
+    ``momentum``, ``affine``, ``track_running_stats``, ``device``, ``dtype``).
+    """
+
+    def __init__(self, num_features: int, ghost_batch_size: int, **bn_kwargs):
+        super().__init__(num_features, **bn_kwargs)
+        self.ghost_batch_size = _positive_int("ghost_batch_size", ghost_batch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch_norm = super().forward
+        if not self.training or x.shape[0] <= self.ghost_batch_size:
+            return batch_norm(x)
+        return torch.cat([batch_norm(chunk) for chunk in x.split(self.ghost_batch_size)])
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, ghost_batch_size={self.ghost_batch_size}"
+
+
+def ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> nn.Module:
+    """Replace every ``nn.BatchNorm2d`` of ``model`` by a :class:`GhostBatchNorm2d` with the
+    same settings, parameters and running statistics, in place; returns ``model``.
+
+    A GhostBatchNorm2d already there gets the new ``ghost_batch_size``. When ``model`` is
+    itself a BatchNorm2d, the replacement is returned (a module cannot replace itself).
+    """
+    _positive_int("ghost_batch_size", ghost_batch_size)
+    if isinstance(model, nn.BatchNorm2d):
+        return _ghost_of(model, ghost_batch_size)
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.BatchNorm2d):
+                setattr(parent, name, _ghost_of(child, ghost_batch_size))
+    return model
+
+
+def _ghost_of(bn: nn.BatchNorm2d, ghost_batch_size: int) -> GhostBatchNorm2d:
+    if isinstance(bn, GhostBatchNorm2d):
+        bn.ghost_batch_size = ghost_batch_size
+        return bn
+    ref = bn.running_mean if bn.running_mean is not None else bn.weight
+    ghost = GhostBatchNorm2d(
+        bn.num_features,
+        ghost_batch_size,
+        eps=bn.eps,
+        momentum=bn.momentum,
+        affine=bn.affine,
+        track_running_stats=bn.track_running_stats,
+        device=None if ref is None else ref.device,
+        dtype=None if ref is None else ref.dtype,
+    )
+    ghost.load_state_dict(bn.state_dict())
+    ghost.train(bn.training)
+    return ghost
 
 
 class BasicBlock(nn.Module):

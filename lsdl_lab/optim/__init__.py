@@ -3,6 +3,8 @@
 Every optimizer takes the same arguments as its torch.optim namesake where one exists,
 keeps its state in ``state_dict`` and updates all parameters of a group with multi-tensor
 (``torch._foreach_*``) operations. :mod:`lsdl_lab.optim.base` holds what they share.
+:class:`SAM` is a wrapper: sharpness-aware minimization around any of them (or any
+torch.optim optimizer).
 """
 
 from .adadelta import Adadelta
@@ -14,6 +16,7 @@ from .lamb import LAMB
 from .lars import LARS
 from .nadam import NAdam
 from .rmsprop import RMSprop
+from .sam import SAM
 from .sgd import SGD
 
 __all__ = [
@@ -27,5 +30,6 @@ __all__ = [
     "NAdam",
     "LARS",
     "LAMB",
+    "SAM",
     "Optimizer",
 ]
