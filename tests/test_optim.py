@@ -601,3 +601,12 @@ def test_an_invalid_param_group_is_not_kept():
     with pytest.raises(ValueError, match="Invalid learning rate"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "lr": -1.0})
     assert len(opt.param_groups) == 1
+
+
+def test_param_group_given_as_a_generator_keeps_its_parameters():
+    # {"params": model.parameters()} is a generator, readable once (torch.optim accepts it)
+    model = torch.nn.Linear(3, 2)
+    opt = optim.Adam([{"params": model.parameters(), "lr": 0.1}])
+    assert len(opt.param_groups[0]["params"]) == 2
+    opt.add_param_group({"params": (p for p in [torch.zeros(2, requires_grad=True)])})
+    assert len(opt.param_groups[1]["params"]) == 1

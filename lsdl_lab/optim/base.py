@@ -90,11 +90,11 @@ class Optimizer(torch.optim.Optimizer):
         self.check(group)
 
     def add_param_group(self, param_group: dict) -> None:
-        for p in (
-            param_group["params"]
-            if not isinstance(param_group["params"], Tensor)
-            else [param_group["params"]]
-        ):
+        params = param_group["params"]
+        # A generator ({"params": model.parameters()}) can be read once: keep it as a list
+        params = [params] if isinstance(params, Tensor) else list(params)
+        param_group = {**param_group, "params": params}
+        for p in params:
             if isinstance(p, Tensor) and p.is_complex():
                 raise ValueError(
                     f"{type(self).__name__} does not support complex parameters "
