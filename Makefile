@@ -15,7 +15,7 @@ export OMP_NUM_THREADS ?= 1
 export TQDM_DISABLE ?= 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: setup book test lint student bench clean
+.PHONY: setup book test lint student bench bench-cost clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,11 @@ test: lint
 
 # Not part of `make test`: minutes of timing, written to benchmarks/results/.
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.optimizers
+	$(BIN)/python -m benchmarks
+
+# The project's own cost: every lab at smoke and cpu, the test suite, the book build (long).
+bench-cost: $(STAMP)
+	$(BIN)/python -m benchmarks.project_cost
 
 student: $(STAMP)
 	$(BIN)/lsdl-student labs/*.ipynb -o student/

@@ -10,7 +10,10 @@ that a ratio comes with its spread: the ratios of the pairs measured back to bac
 
 from __future__ import annotations
 
+import datetime
 import gc
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -18,7 +21,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Comparison", "compare", "quartiles", "state_bytes_per_param"]
+__all__ = [
+    "CLOCKS",
+    "CLOCK_TEXT",
+    "Comparison",
+    "compare",
+    "device_timer",
+    "load_average",
+    "machine_lines",
+    "quartiles",
+    "state_bytes_per_param",
+]
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -117,3 +130,77 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
         if isinstance(value, torch.Tensor)
     )
     return nbytes / n if n else 0.0
+
+
+CLOCKS = ("wall", "thread")
+CLOCK_TEXT = {  # for a results file's header
+    "thread": "CPU time of the benchmark's thread (`time.thread_time`): the moments other "
+    "processes held the core do not count; their memory traffic still slows ours",
+    "wall": "wall-clock time (`time.perf_counter`; on CUDA after `torch.cuda.synchronize`)",
+}
+
+
+def device_timer(device: torch.device | str, clock: str = "wall") -> Callable[[], float]:
+    """A clock for timing work on ``device``.
+
+    ``"wall"``: :func:`time.perf_counter`, which on CUDA first waits for the device to finish
+    (kernels run asynchronously: without the wait, a timing measures the launch, not the
+    work). ``"thread"``: :func:`time.thread_time`, the CPU time of the calling thread, user
+    and system (page faults included); for CPU work on one torch thread, where every
+    operation and the autograd engine run on the calling thread, it is the wall time
+    without the moments other processes held the core, the robust figure on a shared
+    machine. It cannot time a GPU, whose work no CPU clock sees.
+    """
+    device = torch.device(device)
+    if clock not in CLOCKS:
+        raise ValueError(f"Invalid clock: {clock!r} (expected one of {CLOCKS})")
+    if clock == "thread":
+        if device.type != "cpu":
+            raise ValueError(f"Invalid clock: 'thread' times CPU work only, not {device}")
+        return time.thread_time
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def timer() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return timer
+
+
+def load_average() -> str:
+    """The 1-, 5- and 15-minute load averages, or "unknown" where the system has none."""
+    try:
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (AttributeError, OSError):
+        return "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_lines(device: torch.device | str = "cpu") -> list[str]:
+    """Markdown bullet lines naming what a result was measured on, and when: date, CPU
+    and cores, the GPU when ``device`` is CUDA, Python and torch versions, torch threads
+    and the load average now (other processes' work: absolute times move with it)."""
+    device = torch.device(device)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lines = [
+        f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
+        f"- CPU: {cpu_name()}; {os.cpu_count()} logical cores, {usable} usable",
+    ]
+    if device.type == "cuda":
+        lines.append(f"- GPU: {torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})")
+    lines += [
+        f"- Python {platform.python_version()}, torch {torch.__version__}, "
+        f"torch threads {torch.get_num_threads()}, device {device}",
+        f"- load average at start: {load_average()}",
+    ]
+    return lines

@@ -1,0 +1,53 @@
+"""Every benchmark, one after the other: ``python -m benchmarks`` from the repository root.
+
+``--only`` picks some (comma-separated, in this order): ``bandwidth`` (the hardware limit
+of an optimizer step, ``benchmarks/bandwidth.py``), ``hessian`` (the Hessian probes against
+PyHessian), ``optimizers`` (step times against torch.optim, LARS and LAMB against their
+references) and ``project-cost`` (each lab, the tests and the book build, timed: tens of
+minutes, so not in the default set). Each writes its table to ``benchmarks/results/``;
+``--quick`` runs each on a tiny model and writes nothing (a test that everything runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+BENCHMARKS = ("bandwidth", "hessian", "optimizers", "project-cost")
+DEFAULT = "bandwidth,hessian,optimizers"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--only", default=DEFAULT, help=f"from {', '.join(BENCHMARKS)}")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, no files: a test")
+    args = parser.parse_args(argv)
+    args.names = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in args.names if s not in BENCHMARKS]
+    if unknown or not args.names:
+        parser.error(f"Invalid --only {args.only!r} (choose from {', '.join(BENCHMARKS)})")
+    if args.quick and "project-cost" in args.names:
+        parser.error("Invalid --quick with project-cost (it runs the real labs and build)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from benchmarks import bandwidth, hessian, optimizers, project_cost
+
+    mains = {
+        "bandwidth": bandwidth.main,
+        "hessian": hessian.main,
+        "optimizers": optimizers.main,
+        "project-cost": project_cost.main,
+    }
+    for name in [n for n in BENCHMARKS if n in args.names]:
+        print(f"== {name}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        mains[name](["--quick"] if args.quick else [])
+        print(f"== {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
