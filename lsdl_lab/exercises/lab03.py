@@ -69,7 +69,7 @@ def _momentum_cases(seed: int) -> list:
 def _rollout_against(student_fn, make_optimizer, name: str, steps: int = 6) -> None:
     """Run the student's step function and the library's optimizer on the same gradients
     (those of a fixed quadratic at the current weights) and compare the weights."""
-    from .check import CheckFailed
+    from ..check import CheckFailed
 
     gen = torch.Generator().manual_seed(30)
     A = torch.randn(4, 4, generator=gen, dtype=torch.float64)
@@ -93,7 +93,7 @@ def _rollout_against(student_fn, make_optimizer, name: str, steps: int = 6) -> N
 
 @exercise("lab03.momentum_step")
 def check_momentum_step(student_fn) -> None:
-    from .optim import SGD
+    from ..optim import SGD
 
     check_function(student_fn, momentum_step, _momentum_cases(31))
 
@@ -106,7 +106,7 @@ def check_momentum_step(student_fn) -> None:
 
 @exercise("lab03.nesterov_step")
 def check_nesterov_step(student_fn) -> None:
-    from .optim import SGD
+    from ..optim import SGD
 
     check_function(student_fn, nesterov_step, _momentum_cases(32))
 
@@ -146,7 +146,7 @@ def _adam_cases() -> list:
 
 @exercise("lab03.adam_step")
 def check_adam_step(student_fn) -> None:
-    from .optim import Adam
+    from ..optim import Adam
 
     check_function(student_fn, adam_step, _adam_cases(), rtol=1e-5, atol=1e-7)
 
