@@ -51,6 +51,7 @@ from benchmarks.timing import (  # noqa: E402
     load_average,
     machine_lines,
     quartiles,
+    write_report,
 )
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "bandwidth.md"
@@ -558,13 +559,9 @@ def main(argv: list[str] | None = None) -> str:
         f"first alternating; before every timed step a {FLUSH_MB} MiB read evicts the caches",
     ]
     text = report(streams, sections, head)
-    print(text, end="")
     default = None if args.quick or only is not None else DEFAULT_OUT
     out = args.out if args.out is not None else default
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        log(f"written to {out}")
+    write_report(text, out, log)
     return text
 
 

@@ -59,6 +59,7 @@ from benchmarks.timing import (  # noqa: E402
     load_average,
     machine_lines,
     quartiles,
+    write_report,
 )
 from lsdl_lab import hessian as hs  # noqa: E402
 from lsdl_lab import models  # noqa: E402
@@ -397,12 +398,8 @@ def main(argv: list[str] | None = None) -> str:
         gc.collect()  # PyHessian's create_graph backward leaves reference cycles behind
     head.append(f"- load average at end: {load_average()}")
     text = report(sections, settings, head)
-    print(text, end="")
     out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        log(f"written to {out}")
+    write_report(text, out, log)
     return text
 
 

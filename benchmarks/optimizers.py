@@ -45,7 +45,12 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 
 import lsdl_lab  # noqa: E402
 import lsdl_lab.optim  # noqa: E402
-from benchmarks.timing import compare, quartiles, state_bytes_per_param  # noqa: E402
+from benchmarks.timing import (  # noqa: E402
+    compare,
+    quartiles,
+    state_bytes_per_param,
+    write_report,
+)
 from lsdl_lab.models import GPT, ResNet  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "optimizers.md"
@@ -513,13 +518,9 @@ def main(argv: list[str] | None = None) -> str:
     if hasattr(os, "getloadavg"):
         head.append("- load average at end " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     text = table(sections, head)
-    print(text, end="")
     default = None if args.quick or only is not None else DEFAULT_OUT
     out = args.out if args.out is not None else default
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        log(f"written to {out}")
+    write_report(text, out, log)
     return text
 
 

@@ -176,6 +176,15 @@ def load_average() -> str:
         return "unknown"
 
 
+def write_report(text: str, out, log: Callable[[str], None]) -> None:
+    """Print a benchmark's Markdown report and, when ``out`` is a path, write it there."""
+    print(text, end="")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        log(f"written to {out}")
+
+
 def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo", encoding="utf-8"):
