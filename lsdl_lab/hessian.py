@@ -98,6 +98,10 @@ def _check_int(name: str, value, minimum: int) -> int:
 
 
 def _batches_and_weights(batches) -> tuple[list, list[float]]:
+    """``batches`` (one ``(x, y)`` pair, or an iterable of them) as a list, with the
+    weight ``n_b / N`` of each in the mean loss."""
+    if isinstance(batches, (tuple, list)) and len(batches) == 2 and torch.is_tensor(batches[0]):
+        batches = [batches]  # a single (x, y) pair
     batches = list(batches)
     if not batches:
         raise ValueError("Invalid batches: empty (expected at least one (x, y) pair)")
@@ -115,7 +119,8 @@ def _names_of(model: nn.Module, params: Sequence[torch.Tensor]) -> list[str]:
 class HessianOperator:
     r"""The Hessian of the loss over ``batches`` as a linear operator :math:`v \mapsto Hv`.
 
-    The loss is the average over all examples,
+    ``batches`` is one ``(x, y)`` pair or an iterable of them (a list, a DataLoader's
+    batches). The loss is the average over all examples,
     :math:`L = \sum_b \frac{n_b}{N}\,\texttt{loss\_fn}(\texttt{model}(x_b), y_b)`, assuming
     ``loss_fn`` averages over its batch (PyTorch's default ``reduction="mean"``).
 
@@ -181,7 +186,8 @@ class HessianOperator:
     def _gradient_graph(self) -> list[torch.Tensor]:
         """g = sum_b w_b grad L_b, kept with its graph so that every product reuses it."""
         total = None
-        with _eval_mode(self.model, affine_batchnorm=True):
+        # enable_grad: the operator is often built inside an evaluation's torch.no_grad().
+        with torch.enable_grad(), _eval_mode(self.model, affine_batchnorm=True):
             for (x, y), w in zip(self.batches, self.weights):
                 loss = w * self.loss_fn(self.model(x), y)
                 g = torch.autograd.grad(

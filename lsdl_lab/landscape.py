@@ -80,8 +80,6 @@ def _device_of(model: nn.Module) -> torch.device:
 
 def _prepare(model: nn.Module, batches) -> tuple[list, list[float]]:
     """The batches as a list on the model's device, with their weights n_b / N."""
-    if isinstance(batches, (tuple, list)) and len(batches) == 2 and torch.is_tensor(batches[0]):
-        batches = [batches]  # a single (x, y) pair
     device = _device_of(model)
     batches, weights = _batches_and_weights(batches)
     return [(x.to(device), y.to(device)) for x, y in batches], weights

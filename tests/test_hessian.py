@@ -105,6 +105,21 @@ def test_batches_are_weighted_by_size(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_one_pair_is_one_batch_and_no_grad_around_the_operator_is_harmless(method):
+    """A bare (x, y) pair means [(x, y)]; an operator built and used inside torch.no_grad()
+    (as in an evaluation loop) still differentiates."""
+    model, x, y = mlp()
+    v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    expected = hs.HessianOperator(model, F.cross_entropy, [(x, y)], method=method) @ v
+    with torch.no_grad():
+        H = hs.HessianOperator(model, F.cross_entropy, (x, y), method=method)
+        hv = H @ v
+    assert len(H.batches) == 1
+    torch.testing.assert_close(hv, expected)
+    torch.testing.assert_close(hv, hs.hessian_matrix(model, F.cross_entropy, (x, y)) @ v)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_top_eigenvalues_of_a_quadratic(method):
     A = symmetric(SPECTRUM)
     H = quadratic_operator(A, method)
