@@ -8,6 +8,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Quadratic, cnn
+from helpers import symmetric as symmetric_with_basis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -22,22 +24,7 @@ SPECTRUM = torch.tensor([12.0, 7.0, 4.0, 2.0, 1.0, 0.5, -0.25, -0.5], dtype=torc
 
 
 def symmetric(eigenvalues: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    n = len(eigenvalues)
-    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
-    return Q @ torch.diag(eigenvalues) @ Q.T
-
-
-class Quadratic(nn.Module):
-    """L(x) = 1/2 x^T A x, whose Hessian is A wherever x is."""
-
-    def __init__(self, A: torch.Tensor):
-        super().__init__()
-        self.register_buffer("A", A)
-        self.x = nn.Parameter(torch.randn(len(A), dtype=A.dtype))
-
-    def forward(self, inputs):
-        return 0.5 * self.x @ self.A @ self.x
+    return symmetric_with_basis(eigenvalues, seed)[0]
 
 
 def scaled_loss(out, y):
@@ -46,7 +33,9 @@ def scaled_loss(out, y):
 
 def quadratic_operator(A, method="double_backward"):
     batch = (torch.zeros(1), torch.ones(1, dtype=A.dtype))
-    return hs.HessianOperator(Quadratic(A), scaled_loss, [batch], method=method)
+    return hs.HessianOperator(
+        Quadratic(A, torch.randn(len(A), dtype=A.dtype)), scaled_loss, [batch], method=method
+    )
 
 
 def mlp(seed=0, dtype=torch.float64):
@@ -55,27 +44,6 @@ def mlp(seed=0, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(40, 6, generator=gen, dtype=dtype)
     y = torch.randint(3, (40,), generator=gen)
-    return model, x, y
-
-
-def cnn(seed=0, dtype=torch.float64):
-    """A tiny CNN with BatchNorm and dropout, its running statistics set by a few batches."""
-    torch.manual_seed(seed)
-    model = nn.Sequential(
-        nn.Conv2d(1, 3, 3),
-        nn.BatchNorm2d(3),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(2),
-        nn.Flatten(),
-        nn.Dropout(0.5),
-        nn.Linear(12, 3),
-    ).to(dtype)
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(24, 1, 6, 6, generator=gen, dtype=dtype)
-    y = torch.randint(3, (24,), generator=gen)
-    with torch.no_grad():
-        for _ in range(3):
-            model(1.5 * x + 0.3)
     return model, x, y
 
 
@@ -99,7 +67,9 @@ def test_batches_are_weighted_by_size(method):
     """Batches of 1 and 3 examples scaling the loss by 1 and 2: H = (1/4 + 3/4 * 2) A."""
     A = symmetric(SPECTRUM)
     batches = [(torch.zeros(1), torch.full((1,), 1.0)), (torch.zeros(3), torch.full((3,), 2.0))]
-    H = hs.HessianOperator(Quadratic(A), scaled_loss, batches, method=method)
+    H = hs.HessianOperator(
+        Quadratic(A, torch.randn(len(A), dtype=A.dtype)), scaled_loss, batches, method=method
+    )
     v = torch.randn(8, dtype=torch.float64)
     torch.testing.assert_close(H @ v, 1.75 * (A @ v))
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Quadratic, cnn, symmetric
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -20,18 +21,6 @@ from lsdl_lab.models import MLP
 
 matplotlib.use("Agg")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-class Quadratic(nn.Module):
-    """L(x) = 1/2 x^T A x (with loss_fn = identity on the output)."""
-
-    def __init__(self, A: torch.Tensor):
-        super().__init__()
-        self.register_buffer("A", A)
-        self.x = nn.Parameter(torch.zeros(len(A), dtype=A.dtype))
-
-    def forward(self, inputs):
-        return 0.5 * self.x @ self.A @ self.x
 
 
 class Linear(nn.Module):
@@ -51,34 +40,6 @@ def output(out, y):
 
 
 SCALAR_BATCH = (torch.zeros(1), torch.zeros(1))
-
-
-def symmetric(eigenvalues, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    n = len(eigenvalues)
-    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
-    return Q @ torch.diag(eigenvalues) @ Q.T, Q
-
-
-def cnn(seed=0, device="cpu"):
-    """A tiny float64 CNN with BatchNorm (running statistics set) and dropout, and data."""
-    torch.manual_seed(seed)
-    model = nn.Sequential(
-        nn.Conv2d(1, 3, 3),
-        nn.BatchNorm2d(3),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(2),
-        nn.Flatten(),
-        nn.Dropout(0.5),
-        nn.Linear(12, 3),
-    ).double()
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(24, 1, 6, 6, generator=gen, dtype=torch.float64)
-    y = torch.randint(3, (24,), generator=gen)
-    with torch.no_grad():
-        for _ in range(3):
-            model(1.5 * x + 0.3)
-    return model.to(device), x.to(device), y.to(device)
 
 
 def mlp_data(seed=0, n=64):

@@ -1,0 +1,46 @@
+"""Small models with known Hessians and a tiny CNN, shared by the Hessian and landscape tests."""
+
+import torch
+from torch import nn
+
+
+class Quadratic(nn.Module):
+    """L(x) = 1/2 x^T A x, whose Hessian is A wherever x is (x starts at ``x0``, else 0)."""
+
+    def __init__(self, A: torch.Tensor, x0: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("A", A)
+        self.x = nn.Parameter(torch.zeros(len(A), dtype=A.dtype) if x0 is None else x0.clone())
+
+    def forward(self, inputs):
+        return 0.5 * self.x @ self.A @ self.x
+
+
+def symmetric(eigenvalues: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, Q): a float64 symmetric matrix A = Q diag(eigenvalues) Q^T, Q a random rotation."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(eigenvalues)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    return Q @ torch.diag(eigenvalues) @ Q.T, Q
+
+
+def cnn(seed=0, dtype=torch.float64, device="cpu"):
+    """A tiny CNN with BatchNorm (its running statistics set by a few batches) and dropout,
+    with 24 examples of data."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Dropout(0.5),
+        nn.Linear(12, 3),
+    ).to(dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(24, 1, 6, 6, generator=gen, dtype=dtype)
+    y = torch.randint(3, (24,), generator=gen)
+    with torch.no_grad():
+        for _ in range(3):
+            model(1.5 * x + 0.3)
+    return model.to(device), x.to(device), y.to(device)
