@@ -37,8 +37,8 @@ Variant choices, and how they compare:
   for a constant rate, and under a schedule ours is the paper's with Goyal et al.'s (2017)
   *momentum correction*. With ``trust=False`` the update is :class:`~lsdl_lab.optim.SGD`
   with momentum and weight decay, operation for operation.
-* **In place**: the step scales :math:`d_t` by :math:`\tau` where it lies, so without
-  weight decay it leaves :math:`\tau g_t` in ``p.grad`` (as pytorch-optimizer's LARS
+* **In place**: the step builds :math:`\tau_t d_t` in the gradient's own memory, so it
+  leaves :math:`\tau_t (g_t + \lambda w_{t-1})` in ``p.grad`` (as pytorch-optimizer's LARS
   does); a copy the size of the model on every step was the slowest part of the update.
 * **Excluded layers**: biases and normalization parameters are usually left out of the
   adaptation and the decay (the authors' TensorFlow LARS and LAMB exclude from adaptation
@@ -122,18 +122,23 @@ class LARS(Optimizer):
     def update(self, group, params, grads):
         lam = group["weight_decay"]
         eta, eps = group["trust_coefficient"], group["eps"]
-        d = torch._foreach_add(grads, params, alpha=lam) if lam else grads
         if group["trust"]:
             w_norm = torch.stack(torch._foreach_norm(params))
             g_norm = torch.stack(torch._foreach_norm(grads))
             denom = g_norm + lam * w_norm
             tau = eta * w_norm / (denom + eps)
             tau = torch.where((w_norm > 0) & (denom > 0), tau, 1.0)
-            # One device-to-host copy per step: the ratios become per-tensor Python scalars.
             # In place, as pytorch-optimizer's LARS does (and torch.optim's Nesterov SGD):
-            # d is the gradient or its weight-decayed copy, and a fresh copy the size of the
-            # model every step cost more than both norms together (benchmarks/README.md).
+            # d = tau (g + lam w) is built in the gradient's own memory, since a fresh copy
+            # the size of the model every step cost more than both norms together
+            # (benchmarks/README.md). The norms above were taken first, from g itself.
+            d = grads
+            if lam:
+                torch._foreach_add_(d, params, alpha=lam)
+            # One device-to-host copy per step: the ratios become per-tensor Python scalars.
             torch._foreach_mul_(d, tau.tolist())
+        else:  # SGD's weight decay, operation for operation: p.grad is left as it was
+            d = torch._foreach_add(grads, params, alpha=lam) if lam else grads
         # The rest is SGD's momentum step on d, undamped and without decay (already in d);
         # SGD.update needs only the state helpers every optimizer's base provides.
         SGD.update(self, {**group, "weight_decay": 0.0, "dampening": 0.0}, params, d)
