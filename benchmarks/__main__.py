@@ -5,7 +5,9 @@ of an optimizer step, ``benchmarks/bandwidth.py``), ``hessian`` (the Hessian pro
 PyHessian), ``optimizers`` (step times against torch.optim, LARS and LAMB against their
 references) and ``project-cost`` (each lab, the tests and the book build, timed: tens of
 minutes, so not in the default set). Each writes its table to ``benchmarks/results/``;
-``--quick`` runs each on a tiny model and writes nothing (a test that everything runs).
+``--quick`` runs each on a tiny model and writes nothing (a test that everything runs);
+``--full`` gives each more time and sizes (:data:`FULL`): steadier ratios, about three
+times as long.
 """
 
 from __future__ import annotations
@@ -16,12 +18,22 @@ import time
 
 BENCHMARKS = ("bandwidth", "hessian", "optimizers", "project-cost")
 DEFAULT = "bandwidth,hessian,optimizers"
+# --full: three times the timed pairs per optimizer row, both large models for bandwidth,
+# and the larger ResNet for the Hessian probes.
+FULL = {
+    "bandwidth": ["--sizes", "10M,50M", "--budget", "4"],
+    "hessian": ["--cases", "mlp,resnet8,resnet8x4,resnet14"],
+    "optimizers": ["--budget", "6", "--warmup", "3"],
+    "project-cost": [],
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--only", default=DEFAULT, help=f"from {', '.join(BENCHMARKS)}")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, no files: a test")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="tiny sizes, no files: a test")
+    mode.add_argument("--full", action="store_true", help="more sizes and time per figure")
     args = parser.parse_args(argv)
     args.names = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in args.names if s not in BENCHMARKS]
@@ -45,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in [n for n in BENCHMARKS if n in args.names]:
         print(f"== {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        mains[name](["--quick"] if args.quick else [])
+        mains[name](["--quick"] if args.quick else FULL[name] if args.full else [])
         print(f"== {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
 

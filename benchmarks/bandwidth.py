@@ -487,7 +487,7 @@ def report(streams: list[Stream], sections, head: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="10M,50M", help="from tiny,1M,10M,50M")
+    parser.add_argument("--sizes", default="50M", help="from tiny,1M,10M,50M (default 50M)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--clock",

@@ -2,7 +2,8 @@
 
 Run from the repository root (either form)::
 
-    python -m benchmarks.optimizers                 # 1M, 10M and 50M parameters, ~6 minutes
+    python -m benchmarks.optimizers                 # 1M, 10M and 50M parameters, minutes
+    python -m benchmarks.optimizers --budget 6      # 3x the pairs per row: steadier ratios
     python benchmarks/optimizers.py --quick         # a tiny model, a few seconds
 
 What is timed: ``optimizer.step()`` alone. Every parameter gets a fixed random gradient
@@ -21,16 +22,16 @@ against ``AdamW``; the layer-wise step adds a norm per tensor and the trust rati
 traffic), and pytorch-optimizer's ``LARS`` and ``Lamb`` with the settings that make the
 two compute the same update (skipped, with a note, when ``pytorch_optimizer`` is not
 installed). ``--only LARS,LAMB`` times those rows alone.
+
+On CUDA (``--device cuda``, the default where a GPU is present) the same rows run on the
+GPU and the clock is the wall clock after ``torch.cuda.synchronize()``; on CPU it is the
+CPU time of the benchmark's own thread (``--clock``; :func:`benchmarks.timing.device_timer`).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -46,7 +47,12 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 import lsdl_lab  # noqa: E402
 import lsdl_lab.optim  # noqa: E402
 from benchmarks.timing import (  # noqa: E402
+    CLOCK_TEXT,
+    CLOCKS,
     compare,
+    device_timer,
+    load_average,
+    machine_lines,
     quartiles,
     state_bytes_per_param,
     write_report,
@@ -54,7 +60,7 @@ from benchmarks.timing import (  # noqa: E402
 from lsdl_lab.models import GPT, ResNet  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "optimizers.md"
-MIN_PAIRS, MAX_PAIRS = 11, 400  # timed pairs per row, unless --repeats fixes them
+MIN_PAIRS, MAX_PAIRS = 7, 400  # timed pairs per row, unless --repeats fixes them
 GOAL = 1.1  # the project's target: lsdl_lab at most 10% slower than torch.optim foreach
 
 # Models of the book, sized by parameter count: convolutions with BatchNorm vectors
@@ -232,16 +238,18 @@ def time_pair(
     budget: float,
     warmup: int,
     reference: str = "torch",
+    timer: Callable[[], float] = time.perf_counter,
 ) -> None:
     """Warm both optimizers up, then time their steps in alternation into ``row``;
-    ``steps`` holds ``lsdl_lab`` and ``reference``."""
+    ``steps`` holds ``lsdl_lab`` and ``reference``; ``timer`` is the clock
+    (:func:`benchmarks.timing.device_timer`)."""
 
     def restore_grads():
         torch._foreach_copy_(grads, fixed)
 
-    t0 = time.perf_counter()
+    t0 = timer()
     compare(steps, repeats=1, warmup=warmup - 1, setup=restore_grads)  # untimed
-    per_round = (time.perf_counter() - t0) / warmup
+    per_round = (timer() - t0) / warmup
     writers = []
     for name, step in steps.items():  # one more step each: does it write into p.grad?
         restore_grads()
@@ -252,7 +260,7 @@ def time_pair(
     restore_grads()
     row.pairs = repeats or int(min(max(budget / per_round, MIN_PAIRS), MAX_PAIRS))
     setup = restore_grads if row.writes_grad else None
-    result = compare(steps, repeats=row.pairs, warmup=0, setup=setup)
+    result = compare(steps, repeats=row.pairs, warmup=0, setup=setup, timer=timer)
     row.ours_ms = 1e3 * result.median("lsdl_lab")
     row.torch_ms = 1e3 * result.median(reference)
     row.ratio = result.ratio("lsdl_lab", reference)
@@ -276,11 +284,14 @@ def benchmark_size(
     warmup: int,
     log=print,
     only: set[str] | None = None,
+    device: torch.device | str = "cpu",
+    timer: Callable[[], float] | None = None,
 ) -> tuple[str, list[Row]]:
-    """Time every configuration on the model of ``size`` (those of the optimizers named in
-    ``only``, when given); returns its description and rows."""
+    """Time every configuration on the model of ``size``, on ``device`` (those of the
+    optimizers named in ``only``, when given); returns its description and rows."""
     torch.manual_seed(0)
-    params = list(SIZES[size][1]().parameters())  # tied weights once
+    timer = timer or device_timer(device)
+    params = list(SIZES[size][1]().to(device).parameters())  # tied weights once
     header = describe(size, params)
     log(header)
     fixed = [torch.randn_like(p) for p in params]
@@ -301,7 +312,7 @@ def benchmark_size(
             log(f"  {label:<24} {row.skipped}")
             continue
         steps = {"lsdl_lab": ours.step, "torch": theirs.step}
-        time_pair(row, steps, grads, fixed, repeats, budget, warmup)
+        time_pair(row, steps, grads, fixed, repeats, budget, warmup, timer=timer)
         row.ours_bytes = state_bytes_per_param(ours)
         row.torch_bytes = state_bytes_per_param(theirs)
         log_row(row, log)
@@ -319,7 +330,9 @@ def benchmark_size(
             log(f"  {label:<24}  vs {reference}: {row.skipped}")
             continue
         steps = {"lsdl_lab": ours.step, "reference": theirs.step}
-        time_pair(row, steps, grads, fixed, repeats, budget, warmup, reference="reference")
+        time_pair(
+            row, steps, grads, fixed, repeats, budget, warmup, reference="reference", timer=timer
+        )
         row.ours_bytes = state_bytes_per_param(ours)
         row.torch_bytes = state_bytes_per_param(theirs)
         log_row(row, log)
@@ -328,42 +341,16 @@ def benchmark_size(
     return header, rows
 
 
-def machine(threads: int, repeats: int | None, budget: float, warmup: int) -> list[str]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+def timing_line(repeats: int | None, budget: float, warmup: int) -> str:
     how = (
         f"{repeats} pairs"
         if repeats
         else (f"as many pairs as fit {budget:g} s ({MIN_PAIRS} to {MAX_PAIRS})")
     )
-    return [
-        f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
-        f"- CPU: {cpu}; {os.cpu_count()} logical cores, {usable} usable; "
-        f"load average at start {load}",
-        f"- Python {platform.python_version()}, torch {torch.__version__}, "
-        f"lsdl_lab {lsdl_lab.__version__}" + (f" (git {commit})" if commit else ""),
-        f"- torch threads: {torch.get_num_threads()} (requested {threads})",
+    return (
         f"- timing: {warmup + 1} untimed warm-up steps each, then {how} per row, each pair "
-        "timed back to back, which of the two goes first alternating",
-    ]
+        "timed back to back, which of the two goes first alternating"
+    )
 
 
 def fmt_ratio(x: float) -> str:
@@ -475,9 +462,17 @@ def main(argv: list[str] | None = None) -> str:
         "--repeats", type=int, default=None, help="timed pairs per row (default: --budget)"
     )
     parser.add_argument(
-        "--budget", type=float, default=6.0, help="seconds of timed pairs per row (default 6)"
+        "--budget", type=float, default=1.5, help="seconds of timed pairs per row (default 1.5)"
     )
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default=None,
+        help="thread: CPU time of this thread (the default on CPU: robust to other processes); "
+        "wall: elapsed time (the default on CUDA, after torch.cuda.synchronize)",
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="the tiny model, 5 pairs: a test")
     parser.add_argument(
@@ -508,15 +503,26 @@ def main(argv: list[str] | None = None) -> str:
         }
         if not only or only - known:
             parser.error(f"unknown --only {sorted(only - known)}; choose from {sorted(known)}")
+    device = torch.device(args.device)
+    clock = args.clock or ("thread" if device.type == "cpu" else "wall")
+    try:
+        timer = device_timer(device, clock)
+    except ValueError as e:
+        parser.error(str(e))
     torch.set_num_threads(args.threads)
 
     def log(*a):
         print(*a, file=sys.stderr, flush=True)
 
-    head = machine(args.threads, args.repeats, args.budget, args.warmup)
-    sections = [benchmark_size(s, args.repeats, args.budget, args.warmup, log, only) for s in sizes]
-    if hasattr(os, "getloadavg"):
-        head.append("- load average at end " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+    head = machine_lines(device) + [f"- clock: {CLOCK_TEXT[clock]}"]
+    sections = [
+        benchmark_size(s, args.repeats, args.budget, args.warmup, log, only, device, timer)
+        for s in sizes
+    ]
+    head += [
+        f"- load average at end: {load_average()}",
+        timing_line(args.repeats, args.budget, args.warmup),
+    ]
     text = table(sections, head)
     default = None if args.quick or only is not None else DEFAULT_OUT
     out = args.out if args.out is not None else default

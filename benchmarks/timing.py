@@ -15,9 +15,11 @@ import gc
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -27,6 +29,7 @@ __all__ = [
     "Comparison",
     "compare",
     "device_timer",
+    "git_commit",
     "load_average",
     "machine_lines",
     "quartiles",
@@ -195,10 +198,27 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def git_commit() -> str:
+    """``git describe --always --dirty`` of the repository, or "" outside a git checkout."""
+    try:
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def machine_lines(device: torch.device | str = "cpu") -> list[str]:
     """Markdown bullet lines naming what a result was measured on, and when: date, CPU
-    and cores, the GPU when ``device`` is CUDA, Python and torch versions, torch threads
-    and the load average now (other processes' work: absolute times move with it)."""
+    and cores, the GPU when ``device`` is CUDA, Python, torch and lsdl_lab versions (with
+    the git commit), torch threads and the load average now (other processes' work:
+    absolute times move with it)."""
+    import lsdl_lab
+
     device = torch.device(device)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     lines = [
@@ -208,8 +228,9 @@ def machine_lines(device: torch.device | str = "cpu") -> list[str]:
     if device.type == "cuda":
         lines.append(f"- GPU: {torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})")
     lines += [
-        f"- Python {platform.python_version()}, torch {torch.__version__}, "
-        f"torch threads {torch.get_num_threads()}, device {device}",
+        f"- Python {platform.python_version()}, torch {torch.__version__}, lsdl_lab "
+        f"{lsdl_lab.__version__}" + (f" (git {commit})" if (commit := git_commit()) else ""),
+        f"- torch threads {torch.get_num_threads()}, device {device}",
         f"- load average at start: {load_average()}",
     ]
     return lines

@@ -179,7 +179,8 @@ def test_quick_run_writes_a_table_with_every_optimizer(tmp_path, monkeypatch, ca
     assert time.perf_counter() - t0 < 60  # about a second on an idle machine
     text = out.read_text()
     assert capsys.readouterr().out == text
-    assert "torch threads: 1" in text and "15,328 parameters in 16 tensors" in text
+    assert "torch threads 1, device cpu" in text and "15,328 parameters in 16 tensors" in text
+    assert "clock: CPU time of the benchmark's thread" in text and "lsdl_lab 0." in text
     for label, _, _ in optimizers.configurations():
         assert f"| {label} " in text, label
     for name in optimizers.optimizer_names():
@@ -200,3 +201,11 @@ def test_only_times_the_named_optimizers(capsys):
     assert "| SGD " not in text and "| Adam " not in text and "## Summary" not in text
     with pytest.raises(SystemExit):
         optimizers.main(["--quick", "--only", "LION"])
+
+
+def test_wall_clock_and_bad_device_options(capsys):
+    text = optimizers.main(["--quick", "--only", "SGD", "--repeats", "2", "--clock", "wall"])
+    assert "clock: wall-clock time" in text and "| SGD momentum=0.9 " in text
+    for argv in (["--device", "cuda", "--clock", "thread"], ["--clock", "gpu"]):
+        with pytest.raises(SystemExit):
+            optimizers.main(["--quick", *argv])

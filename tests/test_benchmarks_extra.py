@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
 
 import lsdl_lab.optim  # noqa: E402
 from benchmarks import __main__ as run_all  # noqa: E402
-from benchmarks import bandwidth, project_cost  # noqa: E402
+from benchmarks import bandwidth, optimizers, project_cost  # noqa: E402
 from benchmarks import hessian as hessian_bench  # noqa: E402
 from benchmarks.timing import device_timer, load_average, machine_lines  # noqa: E402
 from lsdl_lab import hessian as hs  # noqa: E402
@@ -337,3 +337,25 @@ def test_run_all_options():
     for argv in (["--only", "gpu"], ["--quick", "--only", "project-cost"]):
         with pytest.raises(SystemExit):
             run_all.parse_args(argv)
+
+
+def test_full_hands_each_benchmark_its_larger_settings(monkeypatch, capsys):
+    calls = []
+    for name, module in (
+        ("bandwidth", bandwidth),
+        ("hessian", hessian_bench),
+        ("optimizers", optimizers),
+    ):
+        monkeypatch.setattr(module, "main", lambda argv, name=name: calls.append((name, argv)))
+    run_all.main(["--full"])
+    assert calls == [(name, run_all.FULL[name]) for name in ("bandwidth", "hessian", "optimizers")]
+    calls.clear()
+    run_all.main(["--only", "optimizers"])
+    assert calls == [("optimizers", [])]
+    # the values name real sizes and cases
+    options = {name: dict(zip(argv[::2], argv[1::2])) for name, argv in run_all.FULL.items()}
+    assert set(options["bandwidth"]["--sizes"].split(",")) <= set(optimizers.SIZES)
+    assert set(options["hessian"]["--cases"].split(",")) <= set(hessian_bench.CASES)
+    assert float(options["optimizers"]["--budget"]) > 1.5
+    with pytest.raises(SystemExit):
+        run_all.parse_args(["--quick", "--full"])
