@@ -17,8 +17,8 @@ Patterson, 2009, "Roofline", Commun. ACM 52(4)). This script measures
 
 Run from the repository root::
 
-    python -m benchmarks.bandwidth              # 10M and 50M parameters: 3 CPU-minutes
-    python -m benchmarks.bandwidth --sizes 10M  # the 10M model alone, about a minute
+    python -m benchmarks.bandwidth                  # the 10M model: about a minute
+    python -m benchmarks.bandwidth --sizes 10M,50M  # and 50M, beyond every cache: 3 more
     python -m benchmarks.bandwidth --quick      # a tiny model, seconds: a test
 
 On CUDA (the default device when there is one) the same rows run on the GPU, the clock waits
@@ -51,6 +51,7 @@ from benchmarks.timing import (  # noqa: E402
     load_average,
     machine_lines,
     quartiles,
+    results_path,
     write_report,
 )
 
@@ -487,7 +488,7 @@ def report(streams: list[Stream], sections, head: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="50M", help="from tiny,1M,10M,50M (default 50M)")
+    parser.add_argument("--sizes", default="10M", help="from tiny,1M,10M,50M (default 10M)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--clock",
@@ -559,7 +560,7 @@ def main(argv: list[str] | None = None) -> str:
         f"first alternating; before every timed step a {FLUSH_MB} MiB read evicts the caches",
     ]
     text = report(streams, sections, head)
-    default = None if args.quick or only is not None else DEFAULT_OUT
+    default = None if args.quick or only is not None else results_path(DEFAULT_OUT, device)
     out = args.out if args.out is not None else default
     write_report(text, out, log)
     return text

@@ -59,6 +59,7 @@ from benchmarks.timing import (  # noqa: E402
     load_average,
     machine_lines,
     quartiles,
+    results_path,
     write_report,
 )
 from lsdl_lab import hessian as hs  # noqa: E402
@@ -398,7 +399,8 @@ def main(argv: list[str] | None = None) -> str:
         gc.collect()  # PyHessian's create_graph backward leaves reference cycles behind
     head.append(f"- load average at end: {load_average()}")
     text = report(sections, settings, head)
-    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
+    default = None if args.quick else results_path(DEFAULT_OUT, device)
+    out = args.out if args.out is not None else default
     write_report(text, out, log)
     return text
 

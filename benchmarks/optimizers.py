@@ -54,6 +54,7 @@ from benchmarks.timing import (  # noqa: E402
     load_average,
     machine_lines,
     quartiles,
+    results_path,
     state_bytes_per_param,
     write_report,
 )
@@ -524,7 +525,7 @@ def main(argv: list[str] | None = None) -> str:
         timing_line(args.repeats, args.budget, args.warmup),
     ]
     text = table(sections, head)
-    default = None if args.quick or only is not None else DEFAULT_OUT
+    default = None if args.quick or only is not None else results_path(DEFAULT_OUT, device)
     out = args.out if args.out is not None else default
     write_report(text, out, log)
     return text

@@ -33,6 +33,7 @@ __all__ = [
     "load_average",
     "machine_lines",
     "quartiles",
+    "results_path",
     "state_bytes_per_param",
 ]
 
@@ -177,6 +178,14 @@ def load_average() -> str:
         return ", ".join(f"{x:.2f}" for x in os.getloadavg())
     except (AttributeError, OSError):
         return "unknown"
+
+
+def results_path(default: Path, device: torch.device | str) -> Path:
+    """Where a benchmark's table goes unless ``--out`` says: ``default``
+    (``benchmarks/results/NAME.md``) for a CPU run, ``benchmarks/results/cuda/NAME.md`` for
+    a GPU's, so that a run on a GPU machine never overwrites the CPU tables."""
+    device = torch.device(device)
+    return default if device.type == "cpu" else default.parent / device.type / default.name
 
 
 def write_report(text: str, out, log: Callable[[str], None]) -> None:

@@ -359,3 +359,12 @@ def test_full_hands_each_benchmark_its_larger_settings(monkeypatch, capsys):
     assert float(options["optimizers"]["--budget"]) > 1.5
     with pytest.raises(SystemExit):
         run_all.parse_args(["--quick", "--full"])
+
+
+def test_a_gpu_run_writes_beside_not_over_the_cpu_tables(tmp_path):
+    from benchmarks.timing import results_path
+
+    default = tmp_path / "results" / "optimizers.md"
+    assert results_path(default, "cpu") == default
+    assert results_path(default, "cuda") == tmp_path / "results" / "cuda" / "optimizers.md"
+    assert results_path(default, torch.device("cuda", 1)).parent.name == "cuda"
