@@ -3,7 +3,7 @@
 Run from the repository root (either form)::
 
     python -m benchmarks.optimizers                 # 1M, 10M and 50M parameters, minutes
-    python -m benchmarks.optimizers --budget 6      # 3x the pairs per row: steadier ratios
+    python -m benchmarks.optimizers --budget 6      # 4x the time per row: steadier ratios
     python benchmarks/optimizers.py --quick         # a tiny model, a few seconds
 
 What is timed: ``optimizer.step()`` alone. Every parameter gets a fixed random gradient
