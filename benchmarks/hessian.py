@@ -77,8 +77,9 @@ class Settings:
     tol: float = 1e-4  # relative change of the Rayleigh quotient that stops it
     probes: int = 20  # Hutchinson
     lanczos: int = 20  # SLQ steps (one run)
-    hvp_repeats: int = 10  # timed pairs of single products
-    probe_repeats: int = 3  # timed pairs of whole probes
+    hvp_repeats: int = 10  # timed pairs of single products, at least
+    probe_repeats: int = 3  # timed pairs of whole probes, at least
+    budget: float = 2.0  # seconds: cheap calls get more pairs, as many as fit (at most 25)
     seed: int = 0
 
 
@@ -175,6 +176,7 @@ class Theirs:
 @dataclass
 class Row:
     probe: str
+    pairs: int = 0
     answer: dict[str, str] = field(default_factory=dict)  # who -> the answer, as text
     ms: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # q1, median, q3
     hvps: dict[str, float] = field(default_factory=dict)  # products per call
@@ -182,11 +184,31 @@ class Row:
     note: str = ""
 
 
-def timed(row: Row, fns: dict[str, Callable], counts: dict[str, list[int]], repeats, timer):
-    """Time ``fns`` in interleaved pairs into ``row``; each records its answer itself."""
+MAX_PAIRS = 25
+
+
+def timed(
+    row: Row,
+    fns: dict[str, Callable],
+    counts: dict[str, list[int]],
+    repeats: int,
+    timer,
+    budget: float = 0.0,
+):
+    """Time ``fns`` in interleaved pairs into ``row``, after one untimed round; each records
+    its answer itself. At least ``repeats`` pairs, more when more fit ``budget`` seconds
+    (at most ``MAX_PAIRS``): a 50-millisecond probe timed three times is at the mercy of
+    one slow moment."""
     for c in counts.values():
         c[0] = 0
-    result = compare(fns, repeats=repeats, warmup=1, timer=timer)
+    t0 = timer()
+    for fn in fns.values():  # the untimed round
+        fn()
+    per_round = timer() - t0
+    if budget > 0 and per_round > 0:
+        repeats = max(repeats, min(MAX_PAIRS, int(budget / per_round)))
+    row.pairs = repeats
+    result = compare(fns, repeats=repeats, warmup=0, timer=timer)
     for who in fns:
         row.ms[who] = tuple(1e3 * t for t in quartiles(result.times[who]))
         row.hvps[who] = counts[who][0] / (repeats + 1)
@@ -279,7 +301,8 @@ def benchmark_case(name: str, settings: Settings, device, timer, log) -> tuple[s
 
             return call
 
-        timed(row, {who: record(who, fn) for who, fn in fns.items()}, counts, repeats, timer)
+        calls = {who: record(who, fn) for who, fn in fns.items()}
+        timed(row, calls, counts, repeats, timer, settings.budget)
         rows.append(row)
         log(
             f"  {probe:<40} "
@@ -309,8 +332,8 @@ def report(sections, settings: Settings, head: list[str]) -> str:
             f"## {header}",
             "",
             "| probe | lsdl_lab ms | HVPs | ms/HVP | answer | PyHessian ms | HVPs | ms/HVP "
-            "| answer | speed-up |",
-            "|---|---:|---:|---:|---|---:|---:|---:|---|---:|",
+            "| answer | speed-up | pairs |",
+            "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|",
         ]
         for r in rows:
             cells = [r.probe]
@@ -333,13 +356,15 @@ def report(sections, settings: Settings, head: list[str]) -> str:
                 if med >= GOAL
                 else f"{med:.2f} [{q1:.2f}–{q3:.2f}]"
             )
+            cells.append(str(r.pairs))
             out.append("| " + " | ".join(cells) + " |")
     out += [
         "",
         f"Settings: {settings.examples} examples; power iteration ≤ {settings.iters} iterations, "
         f"tol {settings.tol:g}; {settings.probes} trace probes; {settings.lanczos} Lanczos steps; "
-        f"{settings.hvp_repeats} timed pairs of single products, {settings.probe_repeats} of "
-        "whole probes, after one untimed round; seed "
+        f"at least {settings.hvp_repeats} timed pairs of single products and "
+        f"{settings.probe_repeats} of whole probes, more for cheap calls (as many as fit "
+        f"{settings.budget:g} s, at most {MAX_PAIRS}), after one untimed round; seed "
         f"{settings.seed}. The density row's PyHessian time is the time until it fails.",
     ]
     return "\n".join(out) + "\n"
@@ -360,21 +385,35 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--iters", type=int, default=Settings.iters)
     parser.add_argument("--probes", type=int, default=Settings.probes)
     parser.add_argument("--lanczos", type=int, default=Settings.lanczos)
-    parser.add_argument("--repeats", type=int, default=Settings.probe_repeats, help="probe pairs")
+    parser.add_argument(
+        "--repeats", type=int, default=Settings.probe_repeats, help="probe pairs, at least"
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=Settings.budget,
+        help=f"seconds per row: cheap probes get more pairs (default {Settings.budget:g})",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny MLP, few iterations: a test")
     parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT}")
     args = parser.parse_args(argv)
     settings = Settings(
-        iters=args.iters, probes=args.probes, lanczos=args.lanczos, probe_repeats=args.repeats
+        iters=args.iters,
+        probes=args.probes,
+        lanczos=args.lanczos,
+        probe_repeats=args.repeats,
+        budget=args.budget,
     )
     if args.quick:
         args.cases = "tiny"
         settings = Settings(
-            examples=64, iters=3, probes=3, lanczos=3, hvp_repeats=2, probe_repeats=1
+            examples=64, iters=3, probes=3, lanczos=3, hvp_repeats=2, probe_repeats=1, budget=0
         )
     for what in ("iters", "probes", "lanczos", "repeats", "threads"):
         if getattr(args, what) < (2 if what == "probes" else 1):
             parser.error(f"Invalid --{what}: {getattr(args, what)} (too small)")
+    if not args.budget >= 0:
+        parser.error(f"Invalid --budget: {args.budget} (expected seconds >= 0)")
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if not cases or any(c not in CASES for c in cases):
         parser.error(f"Invalid --cases {args.cases!r} (choose from {', '.join(CASES)})")

@@ -221,9 +221,33 @@ def test_hessian_quick_run_and_options(capsys):
     for probe in ("Hessian-vector product", "top eigenvalue", "trace", "density"):
         assert f"| {probe}" in text
     assert "fails: RuntimeError" in text and "load average at end" in text
-    for argv in (["--cases", "vgg"], ["--probes", "1"], ["--iters", "0"]):
+    for argv in (["--cases", "vgg"], ["--probes", "1"], ["--iters", "0"], ["--budget", "-1"]):
         with pytest.raises(SystemExit):
             hessian_bench.main(argv)
+
+
+def test_cheap_probes_get_more_pairs_up_to_the_cap():
+    calls = {"lsdl_lab": 0, "PyHessian": 0}
+
+    def fn(name):
+        def call():
+            calls[name] += 1
+
+        return call
+
+    clock = iter(range(10_000))  # each reading 1 s later: a round of two calls "takes" 1 s
+    fns = {who: fn(who) for who in calls}
+    row = hessian_bench.Row("probe")
+    counts = {"lsdl_lab": [0], "PyHessian": [0]}
+    hessian_bench.timed(row, fns, counts, 3, lambda: next(clock), 6.0)
+    # one untimed round, then 6 pairs
+    assert row.pairs == 6 and calls == {"lsdl_lab": 7, "PyHessian": 7}
+    row = hessian_bench.Row("probe")
+    hessian_bench.timed(row, fns, counts, 3, lambda: next(clock), 1e6)
+    assert row.pairs == hessian_bench.MAX_PAIRS
+    row = hessian_bench.Row("probe")
+    hessian_bench.timed(row, fns, counts, 3, lambda: next(clock), 0.5)
+    assert row.pairs == 3  # never fewer than asked
 
 
 # The speed change in lsdl_lab.hessian (eval-mode BatchNorm as an explicit affine map) must
