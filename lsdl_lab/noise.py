@@ -139,6 +139,19 @@ class VarianceMeasurement:
     predicted: float  # tr Σ / B (times the finite-population correction without replacement)
 
 
+def _sampled_gradients(model, loss_fn, x, y, b: int, samples: int, gen, replacement=True):
+    """Flat gradients of ``samples`` mini-batches of ``b`` random examples drawn with ``gen``:
+    independently (with replacement) or ``b`` distinct ones (without), as in training."""
+    n = x.shape[0]
+    for _ in range(samples):
+        if replacement:
+            idx = torch.randint(n, (b,), generator=gen)
+        else:
+            idx = torch.randperm(n, generator=gen)[:b]
+        idx = idx.to(x.device)
+        yield flat_gradient(model, loss_fn, x[idx], y[idx])
+
+
 def minibatch_gradient_variance(
     model: nn.Module,
     loss_fn: LossFn,
@@ -167,15 +180,8 @@ def minibatch_gradient_variance(
     gen = torch.Generator().manual_seed(seed)
     results = []
     for b in batch_sizes:
-        dev = []
-        for _ in range(samples):
-            if replacement:
-                idx = torch.randint(n, (b,), generator=gen)
-            else:
-                idx = torch.randperm(n, generator=gen)[:b]
-            idx = idx.to(x.device)
-            dev.append((flat_gradient(model, loss_fn, x[idx], y[idx]) - g).square().sum().item())
-        d = torch.tensor(dev, dtype=torch.float64)
+        gradients = _sampled_gradients(model, loss_fn, x, y, b, samples, gen, replacement)
+        d = torch.tensor([(gb - g).square().sum().item() for gb in gradients], dtype=torch.float64)
         results.append(
             VarianceMeasurement(
                 batch_size=b,
@@ -249,11 +255,8 @@ def estimate_noise_scale(
     gen = torch.Generator().manual_seed(seed)
     means = []
     for b in (b_small, b_big):
-        total = 0.0
-        for _ in range(samples):
-            idx = torch.randint(n, (b,), generator=gen).to(x.device)
-            total += flat_gradient(model, loss_fn, x[idx], y[idx]).square().sum().item()
-        means.append(total / samples)
+        gradients = _sampled_gradients(model, loss_fn, x, y, b, samples, gen)
+        means.append(sum(gb.square().sum().item() for gb in gradients) / samples)
     return noise_scale_from_norms(means[0], means[1], b_small, b_big)
 
 
