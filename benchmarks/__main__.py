@@ -13,7 +13,6 @@ times as long.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 BENCHMARKS = ("bandwidth", "hessian", "optimizers", "project-cost")
@@ -47,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from benchmarks import bandwidth, hessian, optimizers, project_cost
+    from benchmarks.timing import log
 
     mains = {
         "bandwidth": bandwidth.main,
@@ -55,10 +55,10 @@ def main(argv: list[str] | None = None) -> None:
         "project-cost": project_cost.main,
     }
     for name in [n for n in BENCHMARKS if n in args.names]:
-        print(f"== {name}", file=sys.stderr, flush=True)
+        log(f"== {name}")
         t0 = time.perf_counter()
         mains[name](["--quick"] if args.quick else FULL[name] if args.full else [])
-        print(f"== {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        log(f"== {name}: {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":

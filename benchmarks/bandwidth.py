@@ -44,12 +44,11 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 import lsdl_lab.optim  # noqa: E402
 from benchmarks import optimizers  # noqa: E402
 from benchmarks.timing import (  # noqa: E402
-    CLOCK_TEXT,
-    CLOCKS,
+    add_device_options,
     compare,
-    device_timer,
+    device_setup,
     load_average,
-    machine_lines,
+    log,
     quartiles,
     results_path,
     write_report,
@@ -489,19 +488,11 @@ def report(streams: list[Stream], sections, head: list[str]) -> str:
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10M", help="from tiny,1M,10M,50M (default 10M)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument(
-        "--clock",
-        choices=CLOCKS,
-        default=None,
-        help="thread: CPU time of this thread (the default on CPU: robust to other processes); "
-        "wall: elapsed time (the default on CUDA, after torch.cuda.synchronize)",
-    )
+    add_device_options(parser)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per row")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds per row (default 2)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps each (default 2)")
     parser.add_argument("--stream-mb", type=float, default=STREAM_MB, help="MiB per array")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--only", default=None, help="comma-separated lsdl_lab names")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a test")
     parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT}")
@@ -522,19 +513,7 @@ def main(argv: list[str] | None = None) -> str:
         known = {name for _, name, _ in rows_to_run()}
         if not only or only - known:
             parser.error(f"Invalid --only {sorted(only - known)} (choose from {sorted(known)})")
-    device = torch.device(args.device)
-    torch.set_num_threads(args.threads)
-    clock = args.clock or ("thread" if device.type == "cpu" else "wall")
-    try:
-        timer = device_timer(device, clock)
-    except ValueError as e:
-        parser.error(str(e))
-
-    def log(*a):
-        print(*a, file=sys.stderr, flush=True)
-
-    head = machine_lines(device)
-    head.append(f"- clock: {CLOCK_TEXT[clock]}")
+    device, timer, head = device_setup(parser, args)
     scratch = torch.ones(int(FLUSH_MB * 2**20 / 4), device=device)
 
     def flush():  # read more than the last-level cache holds: evict the previous step's data

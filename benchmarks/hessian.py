@@ -52,12 +52,11 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.timing import (  # noqa: E402
-    CLOCK_TEXT,
-    CLOCKS,
+    add_device_options,
     compare,
-    device_timer,
+    device_setup,
     load_average,
-    machine_lines,
+    log,
     quartiles,
     results_path,
     write_report,
@@ -373,15 +372,7 @@ def report(sections, settings: Settings, head: list[str]) -> str:
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=DEFAULT_CASES, help=f"from {', '.join(CASES)}")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument(
-        "--clock",
-        choices=CLOCKS,
-        default=None,
-        help="thread: CPU time of this thread (the default on CPU: robust to other processes); "
-        "wall: elapsed time (the default on CUDA, after torch.cuda.synchronize)",
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    add_device_options(parser)
     parser.add_argument("--iters", type=int, default=Settings.iters)
     parser.add_argument("--probes", type=int, default=Settings.probes)
     parser.add_argument("--lanczos", type=int, default=Settings.lanczos)
@@ -417,19 +408,7 @@ def main(argv: list[str] | None = None) -> str:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if not cases or any(c not in CASES for c in cases):
         parser.error(f"Invalid --cases {args.cases!r} (choose from {', '.join(CASES)})")
-    device = torch.device(args.device)
-    torch.set_num_threads(args.threads)
-    clock = args.clock or ("thread" if device.type == "cpu" else "wall")
-    try:
-        timer = device_timer(device, clock)
-    except ValueError as e:
-        parser.error(str(e))
-
-    def log(*a):
-        print(*a, file=sys.stderr, flush=True)
-
-    head = machine_lines(device)
-    head.append(f"- clock: {CLOCK_TEXT[clock]}")
+    device, timer, head = device_setup(parser, args)
     ph = pyhessian()
     head.append(f"- PyHessian {getattr(ph, '__version__', '0.1') if ph else 'not installed'}")
     sections = []

@@ -47,12 +47,12 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 import lsdl_lab  # noqa: E402
 import lsdl_lab.optim  # noqa: E402
 from benchmarks.timing import (  # noqa: E402
-    CLOCK_TEXT,
-    CLOCKS,
+    add_device_options,
     compare,
+    device_setup,
     device_timer,
     load_average,
-    machine_lines,
+    log,
     quartiles,
     results_path,
     state_bytes_per_param,
@@ -465,16 +465,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--budget", type=float, default=1.5, help="seconds of timed pairs per row (default 1.5)"
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument(
-        "--clock",
-        choices=CLOCKS,
-        default=None,
-        help="thread: CPU time of this thread (the default on CPU: robust to other processes); "
-        "wall: elapsed time (the default on CUDA, after torch.cuda.synchronize)",
-    )
+    add_device_options(parser)
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="the tiny model, 5 pairs: a test")
     parser.add_argument(
         "--only",
@@ -504,18 +496,7 @@ def main(argv: list[str] | None = None) -> str:
         }
         if not only or only - known:
             parser.error(f"unknown --only {sorted(only - known)}; choose from {sorted(known)}")
-    device = torch.device(args.device)
-    clock = args.clock or ("thread" if device.type == "cpu" else "wall")
-    try:
-        timer = device_timer(device, clock)
-    except ValueError as e:
-        parser.error(str(e))
-    torch.set_num_threads(args.threads)
-
-    def log(*a):
-        print(*a, file=sys.stderr, flush=True)
-
-    head = machine_lines(device) + [f"- clock: {CLOCK_TEXT[clock]}"]
+    device, timer, head = device_setup(parser, args)
     sections = [
         benchmark_size(s, args.repeats, args.budget, args.warmup, log, only, device, timer)
         for s in sizes

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.timing import load_average, machine_lines  # noqa: E402
+from benchmarks.timing import load_average, log, machine_lines, write_report  # noqa: E402
 
 PARTS = ("labs-smoke", "labs-cpu", "tests", "book")
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "project_cost.md"
@@ -182,16 +182,13 @@ def main(argv: list[str] | None = None) -> str:
     timings = []
     with tempfile.TemporaryDirectory(prefix="lsdl-cost-") as tmp:
         for part, item, cmd, env in commands(args.parts, labs, Path(tmp)):
-            print(f"{part}: {item} ...", file=sys.stderr, flush=True)
+            log(f"{part}: {item} ...")
             timings.append(run_timed(part, item, cmd, env, args.timeout))
             t = timings[-1]
-            print(f"  {t.seconds:.1f} s, {t.status}", file=sys.stderr, flush=True)
+            log(f"  {t.seconds:.1f} s, {t.status}")
     head.append(f"- load average at end: {load_average()}")
     text = table(timings, head)
-    print(text, end="")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"written to {args.out}", file=sys.stderr)
+    write_report(text, args.out, log)
     return text
 
 

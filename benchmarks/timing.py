@@ -10,12 +10,14 @@ that a ratio comes with its spread: the ratios of the pairs measured back to bac
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,10 +29,13 @@ __all__ = [
     "CLOCKS",
     "CLOCK_TEXT",
     "Comparison",
+    "add_device_options",
     "compare",
+    "device_setup",
     "device_timer",
     "git_commit",
     "load_average",
+    "log",
     "machine_lines",
     "quartiles",
     "results_path",
@@ -178,6 +183,41 @@ def load_average() -> str:
         return ", ".join(f"{x:.2f}" for x in os.getloadavg())
     except (AttributeError, OSError):
         return "unknown"
+
+
+def log(*parts) -> None:
+    """Progress for the person watching: to standard error, so the table alone goes to
+    standard output."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--clock`` and ``--threads``, the options every benchmark shares."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default=None,
+        help="thread: CPU time of this thread (the default on CPU: robust to other processes); "
+        "wall: elapsed time (the default on CUDA, after torch.cuda.synchronize)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+
+
+def device_setup(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[torch.device, Callable[[], float], list[str]]:
+    """From the options of :func:`add_device_options`: set torch's threads and return the
+    device, its clock (:func:`device_timer`; a clock the device cannot use is a usage
+    error) and the results header (:func:`machine_lines` and the clock)."""
+    device = torch.device(args.device)
+    clock = args.clock or ("thread" if device.type == "cpu" else "wall")
+    try:
+        timer = device_timer(device, clock)
+    except ValueError as e:
+        parser.error(str(e))
+    torch.set_num_threads(args.threads)
+    return device, timer, machine_lines(device) + [f"- clock: {CLOCK_TEXT[clock]}"]
 
 
 def results_path(default: Path, device: torch.device | str) -> Path:
