@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .data import _generator
+from .data import BatchSource, _generator
 
 __all__ = [
     "GrowingBatches",
@@ -282,7 +282,7 @@ def batch_size_schedule(
     return batch_size
 
 
-class GrowingBatches:
+class GrowingBatches(BatchSource):
     """Mini-batches whose size follows a schedule of the epoch: ``xb, yb = batches(step)``.
 
     Like :class:`lsdl_lab.data.ImageBatches`, a pure function of the step, so a resumed run

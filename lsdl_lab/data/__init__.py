@@ -49,7 +49,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .batches import BatchSource
+
 __all__ = [
+    "BatchSource",
     "DEFAULT_ROOT",
     "DataIntegrityError",
     "ImageBatches",
@@ -690,7 +693,7 @@ def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int =
     return padded[batch, :, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2).contiguous()
 
 
-class ImageBatches:
+class ImageBatches(BatchSource):
     """Mini-batches of images as a pure function of the step: ``xb, yb = batches(step)``.
 
     Epoch ``e = step // len(self)`` reads the examples in a permutation drawn from a
@@ -766,7 +769,7 @@ def eval_batches(x, y, batch_size: int, max_batches: int | None = None, device=N
     ]
 
 
-class TextBatches:
+class TextBatches(BatchSource):
     """Random windows of a token stream as a pure function of the step: ``x, y = batches(step)``.
 
     ``x`` and ``y`` are ``(batch_size, block_size)`` int64; ``y`` is ``x`` shifted one
