@@ -1,0 +1,312 @@
+"""Worlds of processes that start, fail and stop cleanly.
+
+A *world* is a ``torch.distributed`` process group: ``world_size`` processes (ranks) that
+can talk to each other. There are two ways to be in one:
+
+* :func:`spawn` starts a fresh world from a notebook or a script: it runs
+  ``fn(rank, world_size, *args)`` in ``world_size`` new processes and returns what each
+  rank returned. A rank that raises stops the whole world and its traceback reaches the
+  caller as a :class:`WorkerError` naming the rank; no process is left behind, not after
+  an error, not after a ``KeyboardInterrupt``.
+* :func:`init_from_env` (or the context :func:`world_from_env`) joins a world that a
+  launcher such as ``torchrun`` started, from the environment variables ``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+
+Both pass a ``timeout`` to ``init_process_group``: a collective that can never complete
+(a peer died, a deadlock) then raises after ``timeout`` seconds instead of hanging
+forever. gloo runs on CPUs; NCCL is chosen when CUDA is present and there is a GPU for
+every local rank.
+
+Spawning costs 1-3 s (each process imports torch), so run many checks in one world:
+``spawn(call_each, 2, [check_a, check_b])`` returns every check's result from every rank.
+
+The worker must be a function importable from a module: the ``spawn`` start method
+pickles it by name and the new process imports it. A function defined in a notebook
+(``__main__``) would make each process re-run the notebook (pytorch issue #20375), and a
+lambda or a function defined inside another function cannot be found by name at all;
+both are refused with an error that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import importlib
+import os
+import pickle
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing import connection, get_context
+
+import torch
+import torch.distributed as dist
+
+from .._util import check_choice, check_int, check_positive
+
+__all__ = [
+    "WorkerError",
+    "call_each",
+    "default_backend",
+    "destroy",
+    "free_port",
+    "init_from_env",
+    "spawn",
+    "world_from_env",
+]
+
+BACKENDS = ("gloo", "nccl")
+# After one rank fails, how long the others get to report their own errors (they are
+# usually blocked in a collective with the dead rank and fail within milliseconds) and
+# then to exit after SIGTERM, before they are killed.
+GRACE_S = 2.0
+
+
+class WorkerError(RuntimeError):
+    """A rank of a spawned world raised (or died). ``rank`` is the first rank that failed,
+    ``traceback`` its traceback as text, ``others`` the ranks that failed after it (usually
+    because their peer was gone), each with the last line of its error."""
+
+    def __init__(self, rank: int, world_size: int, traceback: str, others: dict[int, str]):
+        self.rank, self.world_size = rank, world_size
+        self.traceback, self.others = traceback, others
+        after = "".join(f"\n  rank {r}: {line}" for r, line in sorted(others.items()))
+        super().__init__(
+            f"rank {rank} of a world of {world_size} failed; its traceback:\n{traceback}"
+            + (f"\nother ranks failed after it:{after}" if after else "")
+        )
+
+
+def default_backend(local_world_size: int = 1) -> str:
+    """``"nccl"`` when CUDA is present with a GPU for each of ``local_world_size`` local
+    ranks, else ``"gloo"``."""
+    if torch.cuda.is_available() and local_world_size <= torch.cuda.device_count():
+        return "nccl"
+    return "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host``, chosen by the operating system (binding port
+    0). A fixed port collides with another world on the same machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _env_int(name: str, low: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise RuntimeError(
+            f"Environment variable {name} is not set: init_from_env joins a world that a "
+            "launcher (torchrun) started; to start one from Python use spawn()"
+        )
+    try:
+        return check_int(name, int(value), low)
+    except ValueError:
+        raise ValueError(f"Invalid {name}: {value!r} (expected an int >= {low})") from None
+
+
+def init_from_env(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
+    """Join the world described by the environment (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, as ``torchrun`` sets them) and return
+    ``(rank, world_size)``. Every collective of the group raises after ``timeout`` seconds
+    instead of hanging. With NCCL, the process uses GPU ``LOCAL_RANK``."""
+    timeout = check_positive("timeout", timeout)
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0) if "LOCAL_RANK" in os.environ else 0
+    if "MASTER_ADDR" not in os.environ:
+        raise RuntimeError("Environment variable MASTER_ADDR is not set (torchrun sets it)")
+    _env_int("MASTER_PORT", 1)
+    if rank >= world_size:
+        raise ValueError(f"Invalid RANK: {rank} (expected an int in [0, {world_size - 1}])")
+    if backend is None:
+        backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    check_choice("backend", backend, BACKENDS)
+    if dist.is_initialized():
+        raise RuntimeError("This process is already in a world; call destroy() first")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    return rank, world_size
+
+
+def destroy() -> None:
+    """Leave the world this process is in (nothing happens when it is in none)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def world_from_env(backend: str | None = None, timeout: float = 60.0) -> Iterator[tuple[int, int]]:
+    """:func:`init_from_env` for the block, :func:`destroy` after it (also when it raises)::
+
+    with world_from_env() as (rank, world_size):
+        ...
+    """
+    rank_and_size = init_from_env(backend, timeout)
+    try:
+        yield rank_and_size
+    finally:
+        destroy()
+
+
+def call_each(rank: int, world_size: int, fns: Sequence[Callable], *args) -> list:
+    """A worker for :func:`spawn` that runs ``fn(rank, world_size, *args)`` for each of
+    ``fns`` in turn in the same world and returns the list of their results: many checks
+    for the price of one spawn."""
+    return [fn(rank, world_size, *args) for fn in fns]
+
+
+def _check_worker(fn) -> None:
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    if not callable(inner):
+        raise TypeError(f"Invalid fn: {fn!r} (expected a function)")
+    module, qualname = getattr(inner, "__module__", None), getattr(inner, "__qualname__", "")
+    if module == "__main__":
+        raise ValueError(
+            f"Invalid fn: {qualname} is defined in __main__ (a notebook or a script). Each "
+            "spawned process would import __main__ again and re-run it (pytorch #20375); "
+            "define the worker in an importable module (for instance a .py file beside the "
+            "notebook) and import it from there"
+        )
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        raise ValueError(
+            f"Invalid fn: {qualname} is a lambda or a function defined inside another "
+            "function; a spawned process finds its worker by module and name, so the worker "
+            "must be a top-level function of an importable module"
+        )
+    found = importlib.import_module(module) if module else None
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if found is not inner:
+        raise ValueError(f"Invalid fn: {module}.{qualname} cannot be imported by that name")
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    # If the parent is killed outright (SIGKILL: no finally runs), its ranks would live on,
+    # blocked in a collective until the group's timeout; this thread ends them at once.
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _rank_main(fn, rank, world_size, args, port, backend, timeout, conn, parent_pid) -> None:
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        init_from_env(backend, timeout)
+        # Pickled here by value, not by torch's shared-memory reducers, so the result stays
+        # readable after this process has exited.
+        message = ("ok", pickle.dumps(fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 -- KeyboardInterrupt too must reach the parent
+        message = ("error", time.monotonic(), traceback.format_exc())
+    conn.send(message)  # before leaving the group, which may block if a peer is gone
+    conn.close()
+    destroy()
+
+
+def _stop(processes) -> None:
+    """Terminate (SIGTERM), then kill (SIGKILL) whatever is still alive after a grace."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def spawn(
+    fn: Callable,
+    world_size: int,
+    *args,
+    backend: str | None = None,
+    timeout: float = 60.0,
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` in a fresh world of ``world_size`` processes and
+    return the list of the ranks' return values, ordered by rank.
+
+    ``fn`` must be a top-level function of an importable module (see the module's
+    docstring); ``args`` and the return values must pickle (CPU tensors do). ``backend``
+    defaults to NCCL when there is a GPU per rank, else gloo; ``timeout`` (seconds) bounds
+    every collective, so a deadlock ends in an error. The port is free, chosen per world.
+
+    If a rank raises or dies, the other ranks are stopped and :class:`WorkerError` is
+    raised with the first failing rank and its traceback. On any exit, a
+    ``KeyboardInterrupt`` included, every process of the world has ended.
+    """
+    _check_worker(fn)
+    world_size = check_int("world_size", world_size, 1)
+    timeout = check_positive("timeout", timeout)
+    backend = default_backend(world_size) if backend is None else backend
+    check_choice("backend", backend, BACKENDS)
+    ctx = get_context("spawn")
+    port, parent_pid = free_port(), os.getpid()
+    processes, readers = [], []
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, args, port, backend, timeout, writer, parent_pid),
+                name=f"lsdl-rank-{rank}",
+            )
+            p.start()
+            writer.close()  # the parent keeps only the reading end: EOF when the rank dies
+            processes.append(p)
+            readers.append(reader)
+        results, errors = _collect(processes, readers)
+        if errors:
+            first = min(errors, key=lambda r: errors[r][0])
+            others = {r: e[1].strip().splitlines()[-1] for r, e in errors.items() if r != first}
+            raise WorkerError(first, world_size, errors[first][1], others)
+        return [pickle.loads(results[rank]) for rank in range(world_size)]
+    finally:
+        _stop(processes)
+        for reader in readers:
+            reader.close()
+
+
+def _collect(processes, readers) -> tuple[dict[int, bytes], dict[int, tuple[float, str]]]:
+    """Read each rank's message as it arrives. After the first error, wait at most
+    ``GRACE_S`` for the other ranks' messages, then stop."""
+    results, errors, pending = {}, {}, set(range(len(processes)))
+    deadline = None
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = connection.wait([readers[r] for r in pending], left)
+        if not ready:
+            break
+        for reader in ready:
+            rank = readers.index(reader)
+            pending.discard(rank)
+            try:
+                message = reader.recv()
+            except EOFError:  # the process died without a word (killed, os._exit, segfault)
+                processes[rank].join(GRACE_S)
+                code = processes[rank].exitcode
+                message = ("error", time.monotonic(), f"rank {rank} died (exit code {code})\n")
+            if message[0] == "ok":
+                results[rank] = message[1]
+            else:
+                errors[rank] = message[1:]
+                deadline = deadline or time.monotonic() + GRACE_S
+    return results, errors

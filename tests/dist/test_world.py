@@ -1,0 +1,145 @@
+"""Worlds start, return each rank's value, fail with the failing rank's traceback, and leave
+no process behind (counted with psutil) after an error or a KeyboardInterrupt."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dist_workers  # noqa: E402
+
+from lsdl_lab.dist import WorkerError, init_from_env, spawn  # noqa: E402
+
+
+def world_processes() -> set[int]:
+    """This process's descendants, but multiprocessing's resource tracker, which lives as
+    long as the test process by design."""
+    pids = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
+def test_spawn_returns_every_rank_value_in_rank_order():
+    before = world_processes()
+    payload = torch.arange(5, dtype=torch.float64)
+    results = spawn(dist_workers.describe, 2, payload, timeout=30)
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert r["dist_rank"] == r["rank"] and r["world_size"] == r["dist_world_size"] == 2
+        assert r["backend"] == "gloo" and r["total"] == 3.0  # 1 + 2
+        assert r["threads"] == 1  # OMP_NUM_THREADS reaches the ranks
+        assert torch.equal(r["payload"], payload)
+    assert len({r["pid"] for r in results} | {os.getpid()}) == 3
+    assert world_processes() == before
+
+
+def test_failing_rank_surfaces_its_traceback_and_leaves_no_process():
+    before = world_processes()
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        spawn(dist_workers.fail_on, 2, 1, timeout=30)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.rank == 1 and err.world_size == 2
+    assert "ValueError: deliberate failure on rank 1" in err.traceback
+    assert "in fail_on" in err.traceback  # the worker's own frame, not only a summary
+    assert "rank 1 of a world of 2 failed" in str(err)
+    # rank 0 was blocked in a barrier with the dead rank 1: stopped at once, not after the
+    # 30 s timeout
+    assert elapsed < 15
+    assert world_processes() == before
+
+
+def test_rank_that_dies_without_a_word_is_reported():
+    before = world_processes()
+    with pytest.raises(WorkerError, match=r"rank 1 died \(exit code 3\)") as info:
+        spawn(dist_workers.die_on, 2, 1, timeout=30)
+    assert info.value.rank == 1
+    assert world_processes() == before
+
+
+def test_keyboard_interrupt_in_the_parent_leaves_no_process():
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = world_processes()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 3.0)
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            spawn(dist_workers.sleep, 2, 60.0, timeout=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - start < 15
+    assert world_processes() == before
+
+
+def test_spawn_refuses_workers_a_new_process_cannot_import():
+    notebook = {"__name__": "__main__"}
+    exec("def work(rank, world_size):\n    return rank\n", notebook)  # as a notebook cell
+    with pytest.raises(ValueError, match=r"defined in __main__.*#20375"):
+        spawn(notebook["work"], 2)
+
+    def local(rank, world_size):
+        return rank
+
+    with pytest.raises(ValueError, match="inside another function"):
+        spawn(local, 2)
+    with pytest.raises(ValueError, match="lambda"):
+        spawn(lambda rank, world_size: rank, 2)
+    with pytest.raises(TypeError, match="Invalid fn"):
+        spawn(42, 2)
+
+
+def test_spawn_checks_its_arguments():
+    with pytest.raises(ValueError, match="Invalid world_size: 0"):
+        spawn(dist_workers.square, 0)
+    with pytest.raises(TypeError, match="Invalid world_size"):
+        spawn(dist_workers.square, 2.0)
+    with pytest.raises(ValueError, match="Invalid timeout"):
+        spawn(dist_workers.square, 2, timeout=0)
+    with pytest.raises(ValueError, match="Invalid backend: 'mpi'"):
+        spawn(dist_workers.square, 2, backend="mpi")
+
+
+def test_init_from_env_names_the_missing_variable(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="RANK is not set.*torchrun"):
+        init_from_env()
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ValueError, match=r"Invalid RANK: 2 \(expected an int in \[0, 1\]\)"):
+        init_from_env()
+
+
+def test_a_world_under_torchrun():
+    script = Path(__file__).resolve().parent / "torchrun_script.py"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank"))
+    assert lines == ["rank 0 of 2: sum 1 on gloo", "rank 1 of 2: sum 1 on gloo"]
