@@ -37,6 +37,7 @@ __all__ = [
     "History",
     "LanguageModeling",
     "NonFiniteLossError",
+    "accuracy",
     "evaluate",
     "fit",
     "load_checkpoint",
@@ -46,6 +47,12 @@ __all__ = [
 
 class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite; training on it would corrupt every parameter."""
+
+
+def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Fraction of rows of ``output`` (N, K) whose largest logit is the ``target`` class, as a
+    0-dimensional float64 tensor (a metric that :mod:`lsdl_lab.landscape` evaluates too)."""
+    return (output.argmax(-1) == target).double().mean()
 
 
 class Classification:

@@ -249,3 +249,11 @@ def test_epochs_need_steps_per_epoch():
     model, opt, _ = make_resnet()
     with pytest.raises(ValueError, match="steps_per_epoch"):
         train.fit(model, opt, lambda t: None, epochs=1, progress=False)
+
+
+def test_accuracy_is_the_fraction_of_rows_whose_top_logit_is_the_target():
+    output = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 1.0], [0.0, 0.0, 5.0], [2.0, 1.0, 0.0]])
+    target = torch.tensor([1, 1, 2, 0])
+    acc = train.accuracy(output, target)
+    assert acc.dtype == torch.float64 and acc.ndim == 0
+    assert acc.item() == 0.75
