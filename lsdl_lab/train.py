@@ -1,27 +1,38 @@
 """One training loop for every lab: ``fit(model, optimizer, batches, steps=...)``.
 
-What it does, in order, at each step ``t``:
+``fit`` owns the run: the batch of each step, the learning-rate schedule, the logged
+history, evaluation, checkpoints, exact resume and the progress bar. What happens to one
+batch belongs to a *step function* ``step(model, optimizer, batch, task) ->``
+:class:`StepResult`. The default, :func:`train_step`, does forward, loss, backward,
+optional gradient clipping and ``optimizer.step()``; a non-finite loss stops the run with
+:class:`NonFiniteLossError` naming the step, *before* the bad gradient reaches the
+parameters. Options of a step are bound with :func:`functools.partial`::
 
-1. read the batch ``batches(t)`` (a pure function of the step, see ``lsdl_lab.data``);
-2. forward, loss; a non-finite loss stops the run with :class:`NonFiniteLossError`
-   naming the step, *before* the bad gradient reaches the parameters;
-3. backward, optional gradient clipping, ``optimizer.step()``, ``scheduler.step()``;
-4. log (loss, accuracy, learning rate, gradient norm, examples per second, wall time)
-   and, every ``eval_every`` steps, evaluate.
+    fit(model, optimizer, batches, steps=1000, step=partial(train_step, clip_grad_norm=1.0))
 
-Because the batch is a function of the step and the checkpoint holds the model, the
-optimizer, the scheduler, the random number generators and the history, a run stopped
-and resumed from its checkpoint computes exactly what an uninterrupted run computes
-(bit for bit on CPU; tested in ``tests/test_train.py``). Checkpoints are written to a
-temporary file and renamed into place, so a run killed while saving never leaves a
-half-written checkpoint under the real name.
+Later chapters swap the step, not the loop: mixed precision with a loss scaler,
+gradient accumulation over micro-batches and data-parallel steps are other functions
+with the same signature (a step that skips its update, as a loss scaler does on an
+overflow, says so with ``stepped=False``, and the schedule does not advance).
+
+The :class:`Task` says what the model is trained to do: its loss, how many examples a
+batch holds (N images for classification, B x T tokens for language modeling), and its
+metric. Every average the history reports, training and evaluation alike, is over those
+examples.
+
+Because the batch is a function of the step (a :class:`lsdl_lab.data.BatchSource`, or any
+function of the step) and the checkpoint holds the model, the optimizer, the scheduler,
+the random number generators and the history, a run stopped and resumed from its
+checkpoint computes exactly what an uninterrupted run computes (bit for bit on CPU;
+tested in ``tests/test_train.py``). Checkpoints are written atomically (a temporary file,
+``fsync``, rename), so a run killed while saving never leaves half a checkpoint.
 """
 
 from __future__ import annotations
 
+import abc
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,21 +43,58 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from ._util import (
+    atomic_path,
+    check_bool,
+    check_choice,
+    check_int,
+    check_positive,
+    device_of,
+    eval_mode,
+)
+from .data import BatchSource
+
 __all__ = [
     "Classification",
     "History",
     "LanguageModeling",
     "NonFiniteLossError",
+    "StepResult",
+    "Task",
     "accuracy",
     "evaluate",
     "fit",
     "load_checkpoint",
     "save_checkpoint",
+    "train_step",
 ]
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or infinite; training on it would corrupt every parameter."""
+    """The loss became NaN or infinite; training on it would corrupt every parameter.
+
+    A step function raises it with the loss and learning rate; :func:`fit` raises it again
+    with the number of the step (a step function does not know which step it is).
+    """
+
+    def __init__(self, loss: float, lr: float, step: int | None = None):
+        super().__init__(loss, lr, step)
+        self.loss, self.lr, self.step = loss, lr, step
+
+    def at(self, step: int) -> NonFiniteLossError:
+        """The same error, naming step ``step``."""
+        return NonFiniteLossError(self.loss, self.lr, step)
+
+    def __str__(self) -> str:
+        where = "" if self.step is None else f" at step {self.step}"
+        return (
+            f"the training loss became {self.loss}{where} (lr={self.lr:.3g}); the parameters "
+            "were not updated with it. Lower the learning rate, add warmup or gradient "
+            "clipping, or check the data."
+        )
+
+
+# -- tasks ---------------------------------------------------------------------------------
 
 
 def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -55,34 +103,61 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output.argmax(-1) == target).double().mean()
 
 
-class Classification:
-    """Cross-entropy on class logits (N, K); metric: accuracy."""
+class Task(abc.ABC):
+    """What a model is trained to do: its loss, the examples a batch holds, its metric."""
+
+    name: str
+
+    @abc.abstractmethod
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The mean loss over the batch's :meth:`examples`."""
+
+    @abc.abstractmethod
+    def examples(self, target: torch.Tensor) -> int:
+        """How many examples the batch with this target holds (the mean loss's count)."""
+
+    def counts(self, output: torch.Tensor, target: torch.Tensor) -> dict:
+        """Sums over the batch (numbers or 0-d tensors) from which :meth:`summarize` makes
+        its metric, so averages over batches of any size come out right."""
+        return {}
+
+    @abc.abstractmethod
+    def summarize(self, loss_sum: float, n: int, counts: dict) -> dict[str, float]:
+        """The metrics of ``n`` examples whose losses sum to ``loss_sum``."""
+
+
+class Classification(Task):
+    """Cross-entropy on class logits (N, K); an example is a row; metric: accuracy."""
 
     name = "classification"
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, output, target):
         return F.cross_entropy(output, target)
 
-    def counts(self, output, target) -> dict[str, float]:
-        """Sums over the batch, so evaluation can average over batches of any size."""
-        return {"correct": (output.argmax(-1) == target).sum().item()}
+    def examples(self, target) -> int:
+        return target.shape[0]
 
-    def summarize(self, loss_sum: float, n: int, counts: dict) -> dict[str, float]:
-        return {"loss": loss_sum / n, "accuracy": counts["correct"] / n}
+    def counts(self, output, target) -> dict:
+        # A tensor: summed on the device, read (synchronising) only when logged.
+        return {"correct": (output.argmax(-1) == target).sum()}
+
+    def summarize(self, loss_sum, n, counts) -> dict[str, float]:
+        return {"loss": loss_sum / n, "accuracy": float(counts["correct"]) / n}
 
 
-class LanguageModeling:
-    """Next-token cross-entropy on logits (B, T, V); metric: perplexity exp(loss)."""
+class LanguageModeling(Task):
+    """Next-token cross-entropy on logits (B, T, V); an example is a token; metric:
+    perplexity exp(loss)."""
 
     name = "language_modeling"
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, output, target):
         return F.cross_entropy(output.flatten(0, -2), target.flatten())
 
-    def counts(self, output, target) -> dict[str, float]:
-        return {}
+    def examples(self, target) -> int:
+        return target.numel()
 
-    def summarize(self, loss_sum: float, n: int, counts: dict) -> dict[str, float]:
+    def summarize(self, loss_sum, n, counts) -> dict[str, float]:
         loss = loss_sum / n
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
@@ -90,12 +165,35 @@ class LanguageModeling:
 TASKS = {"classification": Classification, "language_modeling": LanguageModeling}
 
 
-def _task(task) -> Classification | LanguageModeling:
-    if isinstance(task, str):
-        if task not in TASKS:
-            raise ValueError(f"Invalid task: {task!r}; valid tasks: {', '.join(map(repr, TASKS))}")
-        return TASKS[task]()
-    return task
+def _task(task: str | Task) -> Task:
+    if isinstance(task, Task):
+        return task
+    if not isinstance(task, str):
+        raise TypeError(
+            f"Invalid task: a {type(task).__name__} (expected a lsdl_lab.train.Task or one of "
+            f"{', '.join(map(repr, TASKS))})"
+        )
+    return TASKS[check_choice("task", task, list(TASKS))]()
+
+
+class _Totals:
+    """Running sums of loss x examples, examples and the task's counts."""
+
+    def __init__(self):
+        self.loss_sum, self.n, self.counts = 0.0, 0, {}
+        self.start = time.perf_counter()
+
+    def add(self, loss: float, examples: int, counts: dict) -> None:
+        self.loss_sum += loss * examples
+        self.n += examples
+        for key, value in counts.items():
+            self.counts[key] = self.counts.get(key, 0) + value
+
+    def summarize(self, task: Task) -> dict[str, float]:
+        return task.summarize(self.loss_sum, self.n, self.counts)
+
+
+# -- history and evaluation ----------------------------------------------------------------
 
 
 @dataclass
@@ -127,32 +225,75 @@ class History:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable, task="classification", device=None) -> dict:
-    """Mean loss and task metric over ``batches`` in evaluation mode (BatchNorm uses its
-    running statistics, dropout is off); the model's mode is restored afterwards."""
+    """Mean loss and task metric over the examples of ``batches``, in evaluation mode
+    (BatchNorm uses its running statistics, dropout is off); every submodule's mode is
+    restored afterwards, also when a batch raises."""
     task = _task(task)
-    device = device or next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    loss_sum, n, counts = 0.0, 0, {}
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        out = model(x)
-        k = y.numel() if isinstance(task, LanguageModeling) else y.shape[0]
-        loss_sum += task.loss(out, y).item() * k
-        n += k
-        for key, v in task.counts(out, y).items():
-            counts[key] = counts.get(key, 0) + v
-    model.train(was_training)
-    if n == 0:
-        raise ValueError("evaluate() got no batches")
-    return task.summarize(loss_sum, n, counts)
+    device = torch.device(device) if device is not None else device_of(model)
+    totals = _Totals()
+    with eval_mode(model):
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)
+            output = model(x)
+            totals.add(task.loss(output, y).item(), task.examples(y), task.counts(output, y))
+    if totals.n == 0:
+        raise ValueError("Invalid batches: empty (expected at least one (x, y) pair)")
+    return totals.summarize(task)
 
 
-def _grad_norm(params: list[torch.Tensor]) -> float:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item()
+# -- the step ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step function reports to :func:`fit`."""
+
+    loss: float  # the batch's mean loss (before the update)
+    examples: int  # how many examples that mean is over (Task.examples)
+    counts: dict  # the task's sums over the batch (Task.counts)
+    grad_norm: torch.Tensor | None = None  # the global gradient norm, before any clipping
+    stepped: bool = True  # False: the update was skipped, the schedule does not advance
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    task: Task,
+    *,
+    clip_grad_norm: float | None = None,
+) -> StepResult:
+    """One optimizer step on ``batch = (x, y)``: forward, loss, backward, optional clipping of
+    the global gradient norm to ``clip_grad_norm`` (Pascanu et al., 2013), ``optimizer.step()``.
+
+    Raises :class:`NonFiniteLossError` before ``backward`` when the loss is NaN or
+    infinite, so the parameters never see that gradient. Bind ``clip_grad_norm`` with
+    ``functools.partial(train_step, clip_grad_norm=1.0)`` to pass it to :func:`fit`.
+    """
+    if clip_grad_norm is not None:
+        check_positive("clip_grad_norm", clip_grad_norm)
+    x, y = batch
+    output = model(x)
+    loss = task.loss(output, y)
+    value = loss.item()
+    if not math.isfinite(value):
+        raise NonFiniteLossError(value, _lr(optimizer))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = nn.utils.get_total_norm([p.grad for p in params])
+    if clip_grad_norm is not None:
+        nn.utils.clip_grads_with_norm_(params, clip_grad_norm, grad_norm)
+    optimizer.step()
+    return StepResult(value, task.examples(y), task.counts(output.detach(), y), grad_norm)
+
+
+def _lr(optimizer: torch.optim.Optimizer) -> float:
+    lr = optimizer.param_groups[0]["lr"]
+    return float(lr.item() if torch.is_tensor(lr) else lr)
+
+
+# -- checkpoints ---------------------------------------------------------------------------
 
 
 def _rng_state() -> dict:
@@ -169,20 +310,10 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(path, **state) -> Path:
-    """``torch.save`` to a temporary file beside ``path``, then an atomic rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".part", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """``torch.save(state)`` to ``path``, atomically (temporary file, fsync, rename)."""
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    return Path(path)
 
 
 def load_checkpoint(path, map_location=None) -> dict:
@@ -199,6 +330,113 @@ def load_checkpoint(path, map_location=None) -> dict:
         ) from e
 
 
+def _save(path, model, optimizer, scheduler, history: History, step: int, elapsed: float):
+    save_checkpoint(
+        path,
+        model=model.state_dict(),
+        optimizer=optimizer.state_dict(),
+        scheduler=scheduler.state_dict() if scheduler is not None else None,
+        history=history.state_dict(),
+        step=step,
+        elapsed=elapsed,
+        rng=_rng_state(),
+    )
+
+
+def _restore(path, model, optimizer, scheduler, device) -> tuple[History, int, float]:
+    """Load what :func:`_save` wrote; return the history, the step and the elapsed time."""
+    state = load_checkpoint(path, map_location=device)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"])
+    return History.from_state_dict(state["history"]), state["step"], state["elapsed"]
+
+
+# -- the loop ------------------------------------------------------------------------------
+
+
+def _total_steps(batches, steps: int | None, epochs: int | None) -> int:
+    if not callable(batches):
+        raise TypeError(
+            f"Invalid batches: a {type(batches).__name__} (expected a function of the step, "
+            "such as a lsdl_lab.data.BatchSource)"
+        )
+    if (steps is None) == (epochs is None):
+        raise ValueError("fit() needs exactly one of steps= and epochs=")
+    if steps is not None:
+        return check_int("steps", steps, 1)
+    epochs = check_int("epochs", epochs, 1)
+    if not isinstance(batches, BatchSource):
+        raise TypeError(
+            f"Invalid batches: a {type(batches).__name__} with epochs= (expected a "
+            "lsdl_lab.data.BatchSource, which knows its steps_per_epoch; use steps= otherwise)"
+        )
+    if batches.steps_per_epoch is None:
+        raise ValueError(
+            f"Invalid batches: a {type(batches).__name__} has no fixed steps_per_epoch "
+            "(use steps= instead of epochs=)"
+        )
+    return epochs * batches.steps_per_epoch
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """How long a run is and when it logs, evaluates and saves (each also after its last
+    step)."""
+
+    steps: int
+    steps_per_epoch: int | None
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+
+    @classmethod
+    def of(cls, batches, steps, epochs, log_every, eval_every, checkpoint_every) -> _Schedule:
+        steps = _total_steps(batches, steps, epochs)
+        per_epoch = batches.steps_per_epoch if isinstance(batches, BatchSource) else None
+
+        def every(name: str, value: int | None, default: int) -> int:
+            return default if value is None else check_int(name, value, 1)
+
+        return cls(
+            steps,
+            per_epoch,
+            every("log_every", log_every, max(1, steps // 100)),
+            every("eval_every", eval_every, per_epoch or max(1, steps // 10)),
+            every("checkpoint_every", checkpoint_every, steps),
+        )
+
+    def due(self, every: int, done: int) -> bool:
+        """Whether something done every ``every`` steps is due after ``done`` steps."""
+        return done % every == 0 or done == self.steps
+
+
+def _to_device(batch, device: torch.device) -> tuple:
+    return tuple(t.to(device, non_blocking=True) if torch.is_tensor(t) else t for t in batch)
+
+
+def _log_record(
+    window: _Totals,
+    task: Task,
+    step: int,
+    elapsed: float,
+    lr: float,
+    grad_norm: torch.Tensor | None,
+    when: _Schedule,
+) -> dict:
+    """The training record after ``step``: the window's averages and the step's state."""
+    record = {"step": step, "time": elapsed, "lr": lr}
+    record["grad_norm"] = None if grad_norm is None else float(grad_norm)
+    if when.steps_per_epoch:
+        record["epoch"] = step / when.steps_per_epoch
+    record.update(window.summarize(task))
+    record.pop("perplexity", None)  # a windowed training perplexity misleads; eval has it
+    record["examples_per_s"] = window.n / max(time.perf_counter() - window.start, 1e-9)
+    return record
+
+
 def fit(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -206,13 +444,13 @@ def fit(
     steps: int | None = None,
     *,
     epochs: int | None = None,
-    task="classification",
+    step: Callable[..., StepResult] = train_step,
+    task: str | Task = "classification",
     eval_batches: Iterable | None = None,
     eval_every: int | None = None,
     scheduler=None,
     device=None,
     log_every: int | None = None,
-    clip_grad_norm: float | None = None,
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
@@ -222,133 +460,65 @@ def fit(
 ) -> History:
     """Train ``model`` for ``steps`` optimizer steps (or ``epochs`` passes) and return its history.
 
-    ``batches(t)`` returns the batch of step ``t``. Logged training metrics are averages
-    over the last ``log_every`` steps; ``eval_batches`` is evaluated every ``eval_every``
-    steps (default: once an epoch, else ten times a run) and after the last step. With
-    ``checkpoint`` set, the state is saved every ``checkpoint_every`` steps and at the end;
-    ``resume=True`` continues from that file when it exists. ``callback(t, history)`` runs
-    after each step (a lab can stop a run early by raising from it).
+    ``batches(t)`` returns the batch of step ``t``; ``epochs=`` needs a
+    :class:`lsdl_lab.data.BatchSource` with a fixed ``steps_per_epoch``. Each step is
+    ``step(model, optimizer, batch, task)`` (default :func:`train_step`), then
+    ``scheduler.step()``. Logged training metrics are averages over the last ``log_every``
+    steps (default: a hundred records a run); ``eval_batches`` is evaluated every
+    ``eval_every`` steps (default: once an epoch, else ten times a run) and after the last
+    step. With ``checkpoint`` set, the state is saved every ``checkpoint_every`` steps and
+    at the end; ``resume=True`` continues from that file when it exists.
+    ``callback(t, history)`` runs after each step (a lab can stop a run early by raising
+    from it).
     """
     task = _task(task)
-    steps_per_epoch = getattr(batches, "steps_per_epoch", None)
-    if (steps is None) == (epochs is None):
-        raise ValueError("fit() needs exactly one of steps= and epochs=")
-    if epochs is not None:
-        if steps_per_epoch is None:
-            raise ValueError("epochs= needs batches with a steps_per_epoch attribute; use steps=")
-        if not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"Invalid epochs: {epochs!r} (expected an int >= 1)")
-        steps = epochs * steps_per_epoch
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"Invalid steps: {steps!r} (expected an int >= 1)")
-    if clip_grad_norm is not None and not clip_grad_norm > 0:
-        raise ValueError(f"Invalid clip_grad_norm: {clip_grad_norm} (expected > 0 or None)")
-    log_every = log_every or max(1, steps // 100)
-    eval_every = eval_every or steps_per_epoch or max(1, steps // 10)
-    for name, value in (("log_every", log_every), ("eval_every", eval_every)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"Invalid {name}: {value!r} (expected an int >= 1)")
+    when = _Schedule.of(batches, steps, epochs, log_every, eval_every, checkpoint_every)
     if checkpoint_every is not None and checkpoint is None:
         raise ValueError("checkpoint_every= needs checkpoint= (a file path)")
+    if not callable(step):
+        raise TypeError(f"Invalid step: a {type(step).__name__} (expected a step function)")
+    check_bool("resume", resume)
+    check_bool("progress", progress)
 
-    device = torch.device(device) if device is not None else next(model.parameters()).device
+    device = torch.device(device) if device is not None else device_of(model)
     model.to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
     history, start, elapsed = History(), 0, 0.0
     if resume and checkpoint is not None and Path(checkpoint).exists():
-        state = load_checkpoint(checkpoint, map_location=device)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        history = History.from_state_dict(state["history"])
-        start, elapsed = state["step"], state["elapsed"]
-        _set_rng_state(state["rng"])
-
-    def save(step: int) -> None:
-        save_checkpoint(
-            checkpoint,
-            model=model.state_dict(),
-            optimizer=optimizer.state_dict(),
-            scheduler=scheduler.state_dict() if scheduler is not None else None,
-            history=history.state_dict(),
-            step=step,
-            elapsed=elapsed,
-            rng=_rng_state(),
-        )
-
+        history, start, elapsed = _restore(checkpoint, model, optimizer, scheduler, device)
     model.train()
-    window = {"loss": 0.0, "n": 0, "examples": 0, "counts": {}}
-    t_window = time.perf_counter()
+    window = _Totals()
     bar = tqdm(
-        range(start, steps),
+        range(start, when.steps),
         initial=start,
-        total=steps,
+        total=when.steps,
         desc=desc or "training",
         disable=not progress,
         leave=False,
     )
     for t in bar:
         t0 = time.perf_counter()
-        x, y = batches(t)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        out = model(x)
-        loss = task.loss(out, y)
-        loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            raise NonFiniteLossError(
-                f"the training loss became {loss_value} at step {t} (lr={_lr(optimizer):.3g}); "
-                "the parameters were not updated with it. Lower the learning rate, add warmup "
-                "or gradient clipping, or check the data."
-            )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        logging = (t + 1) % log_every == 0 or t + 1 == steps
-        grad_norm = None
-        if clip_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm).item()
-        elif logging:
-            grad_norm = _grad_norm(params)
         lr = _lr(optimizer)
-        optimizer.step()
-        if scheduler is not None:
+        try:
+            result = step(model, optimizer, _to_device(batches(t), device), task)
+        except NonFiniteLossError as error:
+            raise error.at(t) from None
+        if scheduler is not None and result.stepped:
             scheduler.step()
-
-        k = y.shape[0]
-        window["loss"] += loss_value * k
-        window["n"] += k
-        window["examples"] += x.shape[0]
-        for key, v in task.counts(out.detach(), y).items():
-            window["counts"][key] = window["counts"].get(key, 0) + v
+        window.add(result.loss, result.examples, result.counts)
         elapsed += time.perf_counter() - t0
-        if logging:
-            now = time.perf_counter()
-            record = {"step": t + 1, "time": elapsed, "lr": lr, "grad_norm": grad_norm}
-            if steps_per_epoch:
-                record["epoch"] = (t + 1) / steps_per_epoch
-            record.update(task.summarize(window["loss"], window["n"], window["counts"]))
-            record.pop("perplexity", None)  # a windowed training perplexity misleads; eval has it
-            record["examples_per_s"] = window["examples"] / max(now - t_window, 1e-9)
+        done = t + 1
+        if when.due(when.log_every, done):
+            record = _log_record(window, task, done, elapsed, lr, result.grad_norm, when)
             history.train.append(record)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
-            window = {"loss": 0.0, "n": 0, "examples": 0, "counts": {}}
-            t_window = now
-        if eval_batches is not None and ((t + 1) % eval_every == 0 or t + 1 == steps):
+            window = _Totals()
+        if eval_batches is not None and when.due(when.eval_every, done):
             metrics = evaluate(model, eval_batches, task, device)
-            history.eval.append(
-                {"step": t + 1, "time": elapsed, **{f"eval_{k}": v for k, v in metrics.items()}}
-            )
-            model.train()
-        if checkpoint is not None and (
-            t + 1 == steps or (checkpoint_every and (t + 1) % checkpoint_every == 0)
-        ):
-            save(t + 1)
+            metrics = {f"eval_{k}": v for k, v in metrics.items()}
+            history.eval.append({"step": done, "time": elapsed, **metrics})
+        if checkpoint is not None and when.due(when.checkpoint_every, done):
+            _save(checkpoint, model, optimizer, scheduler, history, done, elapsed)
         if callback is not None:
-            callback(t + 1, history)
+            callback(done, history)
     bar.close()
     return history
-
-
-def _lr(optimizer: torch.optim.Optimizer) -> float:
-    lr = optimizer.param_groups[0]["lr"]
-    return float(lr.item() if torch.is_tensor(lr) else lr)

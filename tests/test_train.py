@@ -1,25 +1,34 @@
+import functools
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from lsdl_lab import models, train
+from lsdl_lab.data import BatchSource
+
+
+class RandomBatches(BatchSource):
+    """Batches drawn with replacement, each from its own generator seeded by the step."""
+
+    def __init__(self, x, y, batch, seed):
+        self.x, self.y, self.batch, self.seed = x, y, batch, seed
+        self.steps_per_epoch = len(x) // batch
+
+    def __call__(self, t):
+        g = torch.Generator().manual_seed(self.seed * 1000 + t)
+        idx = torch.randint(len(self.x), (self.batch,), generator=g)
+        return self.x[idx], self.y[idx]
 
 
 def image_batches(n=96, batch=16, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 1, 8, 8, generator=gen)
     y = (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0, 0, 0] > 0).long()
-
-    def batches(t):
-        g = torch.Generator().manual_seed(seed * 1000 + t)
-        idx = torch.randint(n, (batch,), generator=g)
-        return x[idx], y[idx]
-
-    batches.steps_per_epoch = n // batch
-    return batches, [(x[:48], y[:48]), (x[48:], y[48:])]
+    return RandomBatches(x, y, batch, seed), [(x[:48], y[:48]), (x[48:], y[48:])]
 
 
 def token_batches(vocab=13, block=8, batch=4):
@@ -128,7 +137,7 @@ def test_checkpoint_is_atomic(tmp_path, monkeypatch):
     train.save_checkpoint(path, value=torch.tensor(1.0))
 
     def dying_save(obj, f):
-        f.write(b"partial")
+        Path(f).write_bytes(b"partial")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", dying_save)
@@ -220,35 +229,169 @@ def test_gradient_clipping_bounds_the_update():
     model = models.MLP(64, 4, hidden=16)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    train.fit(model, opt, batches, steps=1, clip_grad_norm=1e-3, progress=False)
+    step = functools.partial(train.train_step, clip_grad_norm=1e-3)
+    train.fit(model, opt, batches, steps=1, step=step, progress=False)
     moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
     assert moved.norm() <= 1e-3 * (1 + 1e-4)
 
 
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "kwargs,error,match",
     [
-        ({"steps": 0}, "Invalid steps"),
-        ({"steps": None}, "exactly one of"),
-        ({"steps": 5, "epochs": 1}, "exactly one of"),
-        ({"epochs": 0}, "Invalid epochs"),
-        ({"steps": 5, "clip_grad_norm": -1.0}, "Invalid clip_grad_norm"),
-        ({"steps": 5, "log_every": 0.5}, "Invalid log_every"),
-        ({"steps": 5, "checkpoint_every": 2}, "needs checkpoint="),
-        ({"steps": 5, "task": "regression"}, "Invalid task: 'regression'"),
+        ({"steps": 0}, ValueError, "Invalid steps: 0"),
+        ({"steps": True}, TypeError, "Invalid steps: True"),
+        ({"steps": 2.0}, TypeError, "Invalid steps: 2.0"),
+        ({"steps": None}, ValueError, "exactly one of"),
+        ({"steps": 5, "epochs": 1}, ValueError, "exactly one of"),
+        ({"epochs": 0}, ValueError, "Invalid epochs: 0"),
+        ({"epochs": "2"}, TypeError, "Invalid epochs: '2'"),
+        ({"steps": 5, "log_every": 0}, ValueError, "Invalid log_every: 0"),
+        ({"steps": 5, "log_every": 0.5}, TypeError, "Invalid log_every: 0.5"),
+        ({"steps": 5, "eval_every": -1}, ValueError, "Invalid eval_every: -1"),
+        ({"steps": 5, "eval_every": 1.0}, TypeError, "Invalid eval_every: 1.0"),
+        ({"steps": 5, "checkpoint_every": 2}, ValueError, "needs checkpoint="),
+        ({"steps": 5, "task": "regression"}, ValueError, "Invalid task: 'regression'"),
+        ({"steps": 5, "task": nn.MSELoss()}, TypeError, "Invalid task: a MSELoss"),
+        ({"steps": 5, "step": "sgd"}, TypeError, "Invalid step"),
+        ({"steps": 5, "resume": 1}, TypeError, "Invalid resume: 1"),
     ],
 )
-def test_bad_arguments(kwargs, match):
+def test_bad_arguments(kwargs, error, match):
     batches, _ = image_batches()
     model, opt, _ = make_resnet()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         train.fit(model, opt, batches, progress=False, **kwargs)
 
 
-def test_epochs_need_steps_per_epoch():
+def test_bad_checkpoint_every(tmp_path):
+    batches, _ = image_batches()
     model, opt, _ = make_resnet()
-    with pytest.raises(ValueError, match="steps_per_epoch"):
-        train.fit(model, opt, lambda t: None, epochs=1, progress=False)
+    for value, error in ((0, ValueError), (2.5, TypeError)):
+        with pytest.raises(error, match="Invalid checkpoint_every"):
+            train.fit(
+                model,
+                opt,
+                batches,
+                steps=5,
+                checkpoint=tmp_path / "c.pt",
+                checkpoint_every=value,
+                progress=False,
+            )
+
+
+def test_bad_clip_grad_norm_is_refused_before_any_update():
+    batches, _ = image_batches()
+    model, opt, _ = make_resnet()
+    before = [p.detach().clone() for p in model.parameters()]
+    for value, error in ((-1.0, ValueError), (0.0, ValueError), ("1", TypeError)):
+        step = functools.partial(train.train_step, clip_grad_norm=value)
+        with pytest.raises(error, match="Invalid clip_grad_norm"):
+            train.fit(model, opt, batches, steps=3, step=step, progress=False)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_epochs_need_a_batch_source_with_steps_per_epoch():
+    model, opt, _ = make_resnet()
+    batches, _ = image_batches()
+    with pytest.raises(TypeError, match="BatchSource, which knows its steps_per_epoch"):
+        train.fit(model, opt, lambda t: batches(t), epochs=1, progress=False)
+
+    class Windows(BatchSource):  # like random text windows: no fixed epoch
+        def __call__(self, t):
+            return batches(t)
+
+    with pytest.raises(ValueError, match="Windows has no fixed steps_per_epoch"):
+        train.fit(model, opt, Windows(), epochs=1, progress=False)
+    with pytest.raises(TypeError, match="Invalid batches: a list"):
+        train.fit(model, opt, [batches(0)], steps=1, progress=False)
+    # A plain function of the step runs with steps= (and evaluates ten times a run).
+    _, evals = image_batches()
+    h = train.fit(model, opt, lambda t: batches(t), steps=20, eval_batches=evals, progress=False)
+    assert [r["step"] for r in h.eval] == list(range(2, 21, 2))
+    assert "epoch" not in h.train[-1]
+
+
+def test_a_custom_step_is_called_with_model_optimizer_batch_task_and_logged():
+    batches, _ = image_batches()
+    model, opt, sched = make_resnet()
+    calls = []
+
+    def step(model_, optimizer_, batch, task):
+        calls.append((model_, optimizer_, batch, task))
+        x, y = batch
+        return train.StepResult(
+            loss=float(len(calls)), examples=len(y), counts={"correct": 3}, stepped=False
+        )
+
+    h = train.fit(
+        model, opt, batches, steps=6, step=step, scheduler=sched, log_every=3, progress=False
+    )
+    assert len(calls) == 6
+    for t, (m, o, batch, task) in enumerate(calls):
+        assert m is model and o is opt and isinstance(task, train.Classification)
+        assert all(torch.equal(a, b) for a, b in zip(batch, batches(t)))
+    # the window's mean loss over equal batches, the counts summed into the task's metric
+    assert [r["loss"] for r in h.train] == [2.0, 5.0]
+    assert [r["accuracy"] for r in h.train] == [9 / 48, 9 / 48]
+    assert [r["grad_norm"] for r in h.train] == [None, None]
+    # stepped=False: the update was skipped, so the schedule did not advance
+    assert sched.last_epoch == 0
+
+
+def test_the_default_step_logs_the_gradient_norm_before_clipping():
+    batches, _ = image_batches()
+    torch.manual_seed(0)
+    model = models.MLP(64, 4, hidden=16)
+    x, y = batches(0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    model.zero_grad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = functools.partial(train.train_step, clip_grad_norm=1e-3)
+    h = train.fit(model, opt, batches, steps=1, step=step, progress=False)
+    assert h.train[0]["grad_norm"] == pytest.approx(expected.item(), rel=1e-5)
+    assert h.train[0]["grad_norm"] > 1e-2
+
+
+def test_non_finite_loss_from_a_step_without_a_step_number():
+    error = train.NonFiniteLossError(float("inf"), 0.5)
+    assert "became inf (lr=0.5)" in str(error) and "at step" not in str(error)
+    assert "became inf at step 3 (lr=0.5)" in str(error.at(3))
+
+
+def test_evaluate_on_language_modeling_averages_over_tokens():
+    model, _, _ = make_gpt()
+    tokens = token_batches(block=8, batch=4)(0)
+    short = (tokens[0][:1, :2], tokens[1][:1, :2])  # one sequence of 2 tokens
+    evals = [tokens, short]
+    m = train.evaluate(model, evals, "language_modeling")
+    model.eval()
+    with torch.no_grad():
+        losses = [
+            nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
+            for x, y in evals
+        ]
+    assert math.isclose(m["loss"], sum(losses).item() / (4 * 8 + 2), rel_tol=1e-6)
+
+
+def test_evaluate_restores_every_submodule_mode_even_when_a_batch_raises():
+    _, evals = image_batches()
+    model = models.ResNet(8, 4, 4, 1).train()
+    frozen = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d)).eval()
+    modes = {name: m.training for name, m in model.named_modules()}
+
+    def failing():
+        yield evals[0]
+        raise OSError("the disk went away")
+
+    with pytest.raises(OSError, match="disk"):
+        train.evaluate(model, failing())
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    train.evaluate(model, evals)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    assert not frozen.training
+    with pytest.raises(ValueError, match="Invalid batches: empty"):
+        train.evaluate(model, [])
 
 
 def test_accuracy_is_the_fraction_of_rows_whose_top_logit_is_the_target():
