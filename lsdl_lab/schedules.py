@@ -25,7 +25,8 @@ attribute ``total_steps``.
 
 Smith, Kindermans, Ying and Le (2018) showed that *increasing the batch size* by a factor
 where one would *decay the learning rate* by it reaches the same accuracy in fewer
-parameter updates: :func:`batch_size_schedule` and :class:`GrowingBatches` do that.
+parameter updates: :func:`batch_size_schedule` does that, and
+:class:`lsdl_lab.data.GrowingBatches` reads batches of the sizes it gives.
 """
 
 from __future__ import annotations
@@ -35,12 +36,9 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 
-import torch
-
-from .data import BatchSource, _generator
+from ._util import check_int, check_nonnegative, check_positive, check_real
 
 __all__ = [
-    "GrowingBatches",
     "batch_size_schedule",
     "constant",
     "cosine_decay",
@@ -56,36 +54,14 @@ __all__ = [
 Schedule = Callable[[int], float]
 
 
-# -- argument checks ------------------------------------------------------------------------
-
-
-def _int(name: str, value, low: int, high: int | None = None, what: str = "") -> int:
-    expected = f"an int in [{low}, {high}]{what}" if high is not None else f"an int >= {low}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"Invalid {name}: {value!r} (expected {expected})")
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"Invalid {name}: {value!r} (expected {expected})")
-    return int(value)
-
-
-def _real(name: str, value, low: float, high: float, low_open=False, high_open=False) -> float:
-    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"Invalid {name}: {value!r} (expected a number in {interval})")
-    ok = (value > low if low_open else value >= low) and (
-        value < high if high_open else value <= high
-    )
-    if not ok:  # NaN fails both comparisons
-        raise ValueError(f"Invalid {name}: {value!r} (expected a number in {interval})")
-    return float(value)
-
-
-def _step(t) -> int:
-    return _int("step", t, 0)
-
-
-def _positive_batch(name: str, value) -> int:
-    return _int(name, value, 1)
+def _milestones(milestones: Sequence[int]) -> list[int]:
+    """Steps or epochs at which a step schedule changes: strictly increasing ints >= 1."""
+    milestones = list(milestones)
+    for m in milestones:
+        check_int("milestones", m, 1)
+    if any(a >= b for a, b in zip(milestones, milestones[1:])):
+        raise ValueError(f"Invalid milestones: {milestones!r} (expected strictly increasing ints)")
+    return milestones
 
 
 # -- scaling rules --------------------------------------------------------------------------
@@ -99,8 +75,8 @@ def linear_scaling(base_lr: float, base_batch: int, batch: int) -> float:
     :math:`kB_0`, as long as the gradient changes little over those k steps. It fails
     early in training (hence warmup) and beyond a critical batch size.
     """
-    base_lr = _real("base_lr", base_lr, 0.0, math.inf, high_open=True)
-    return base_lr * _positive_batch("batch", batch) / _positive_batch("base_batch", base_batch)
+    base_lr = check_nonnegative("base_lr", base_lr)
+    return base_lr * check_int("batch", batch, 1) / check_int("base_batch", base_batch, 1)
 
 
 def sqrt_scaling(base_lr: float, base_batch: int, batch: int) -> float:
@@ -110,8 +86,8 @@ def sqrt_scaling(base_lr: float, base_batch: int, batch: int) -> float:
     trick"; Hoffer et al., 2017). You et al. (2020) use it for LAMB and other adaptive
     methods, whose normalized updates do not grow linearly with the gradient.
     """
-    base_lr = _real("base_lr", base_lr, 0.0, math.inf, high_open=True)
-    ratio = _positive_batch("batch", batch) / _positive_batch("base_batch", base_batch)
+    base_lr = check_nonnegative("base_lr", base_lr)
+    ratio = check_int("batch", batch, 1) / check_int("base_batch", base_batch, 1)
     return base_lr * math.sqrt(ratio)
 
 
@@ -122,7 +98,7 @@ def constant() -> Schedule:
     """The factor 1 at every step."""
 
     def factor(t: int) -> float:
-        _step(t)
+        check_int("step", t, 0)
         return 1.0
 
     return factor
@@ -139,11 +115,11 @@ def linear_warmup(warmup_steps: int, start_factor: float = 0.0) -> Schedule:
     at the full rate. Goyal et al. start from the small-batch rate :math:`\eta_0 = \eta/k`:
     pass ``start_factor=1/k``. ``warmup_steps=0`` means no warmup.
     """
-    W = _int("warmup_steps", warmup_steps, 0)
-    s = _real("start_factor", start_factor, 0.0, 1.0)
+    W = check_int("warmup_steps", warmup_steps, 0)
+    s = check_real("start_factor", start_factor, 0.0, 1.0)
 
     def factor(t: int) -> float:
-        t = _step(t)
+        t = check_int("step", t, 0)
         return s + (1.0 - s) * ((t + 1) / W) if t < W else 1.0
 
     return factor
@@ -153,15 +129,11 @@ def step_decay(milestones: Sequence[int], gamma: float = 0.1) -> Schedule:
     r"""Multiply the factor by :math:`\gamma` at each milestone: :math:`f(t) = \gamma^{\#\{m_i
     \le t\}}`, as :class:`torch.optim.lr_scheduler.MultiStepLR` does (He et al., 2016 divide
     by 10 at fixed epochs)."""
-    milestones = list(milestones)
-    for m in milestones:
-        _int("milestones", m, 1)
-    if any(a >= b for a, b in zip(milestones, milestones[1:])):
-        raise ValueError(f"Invalid milestones: {milestones!r} (expected strictly increasing ints)")
-    gamma = _real("gamma", gamma, 0.0, 1.0, low_open=True)
+    milestones = _milestones(milestones)
+    gamma = check_real("gamma", gamma, 0.0, 1.0, low_open=True)
 
     def factor(t: int) -> float:
-        return gamma ** bisect.bisect_right(milestones, _step(t))
+        return gamma ** bisect.bisect_right(milestones, check_int("step", t, 0))
 
     return factor
 
@@ -175,12 +147,13 @@ def polynomial_decay(total_steps: int, power: float = 1.0, end_factor: float = 0
     :math:`p = 1` is the linear decay LAMB trains BERT with (You et al., 2020); LARS used
     :math:`p = 2` (You et al., 2017).
     """
-    T = _int("total_steps", total_steps, 1)
-    p = _real("power", power, 0.0, math.inf, low_open=True, high_open=True)
-    e = _real("end_factor", end_factor, 0.0, 1.0)
+    T = check_int("total_steps", total_steps, 1)
+    p = check_positive("power", power)
+    e = check_real("end_factor", end_factor, 0.0, 1.0)
 
     def factor(t: int) -> float:
-        return e + (1.0 - e) * ((1.0 - min(_step(t), T) / T) ** p)
+        t = min(check_int("step", t, 0), T)
+        return e + (1.0 - e) * ((1.0 - t / T) ** p)
 
     factor.total_steps = T
     return factor
@@ -193,11 +166,12 @@ def cosine_decay(total_steps: int, end_factor: float = 0.0) -> Schedule:
     .. math::
         f(t) = e + (1 - e)\,\frac{1 + \cos(\pi \min(t, T) / T)}{2}
     """
-    T = _int("total_steps", total_steps, 1)
-    e = _real("end_factor", end_factor, 0.0, 1.0)
+    T = check_int("total_steps", total_steps, 1)
+    e = check_real("end_factor", end_factor, 0.0, 1.0)
 
     def factor(t: int) -> float:
-        return e + (1.0 - e) * (0.5 * (1.0 + math.cos(math.pi * min(_step(t), T) / T)))
+        t = min(check_int("step", t, 0), T)
+        return e + (1.0 - e) * (0.5 * (1.0 + math.cos(math.pi * t / T)))
 
     factor.total_steps = T
     return factor
@@ -221,12 +195,16 @@ def warmup_then(
     """
     if not callable(decay):
         raise TypeError(f"Invalid decay: {decay!r} (expected a schedule, a function of the step)")
-    W = _int("warmup_steps", warmup_steps, 0)
+    W = check_int("warmup_steps", warmup_steps, 0)
     warmup = linear_warmup(W, start_factor)
     length = getattr(decay, "total_steps", None)
     if total_steps is not None:
-        total = _int("total_steps", total_steps, 1)
-        _int("warmup_steps", W, 0, total - 1, f" (the warmup must end before total_steps={total})")
+        total = check_int("total_steps", total_steps, 1)
+        if W >= total:
+            raise ValueError(
+                f"Invalid warmup_steps: {W} (expected an int in [0, {total - 1}]: "
+                f"the warmup must end before total_steps={total})"
+            )
         if length is not None and W + length != total:
             raise ValueError(
                 f"Invalid decay: it lasts {length} steps, but total_steps - warmup_steps = "
@@ -234,7 +212,7 @@ def warmup_then(
             )
 
     def factor(t: int) -> float:
-        t = _step(t)
+        t = check_int("step", t, 0)
         return warmup(t) if t < W else decay(t - W)
 
     factor.total_steps = None if length is None else W + length
@@ -245,7 +223,7 @@ def lr_at(schedule: Schedule, steps, base_lr: float = 1.0) -> list[float]:
     """``base_lr * schedule(t)`` for each ``t`` in ``steps`` (an int ``n`` means ``range(n)``),
     ready to plot."""
     if isinstance(steps, numbers.Integral) and not isinstance(steps, bool):
-        steps = range(_int("steps", steps, 0))
+        steps = range(check_int("steps", steps, 0))
     return [base_lr * schedule(t) for t in steps]
 
 
@@ -266,103 +244,13 @@ def batch_size_schedule(
     with k times fewer parameter updates. Smith et al. decay the learning rate only once
     the batch has reached :math:`B_{\max}`.
     """
-    base = _positive_batch("base_batch", base_batch)
-    milestones = list(milestones)
-    for m in milestones:
-        _int("milestones", m, 1)
-    if any(a >= b for a, b in zip(milestones, milestones[1:])):
-        raise ValueError(f"Invalid milestones: {milestones!r} (expected strictly increasing ints)")
-    k = _int("factor", factor, 1)
-    cap = _int("max_batch", max_batch, base) if max_batch is not None else None
+    base = check_int("base_batch", base_batch, 1)
+    milestones = _milestones(milestones)
+    k = check_int("factor", factor, 1)
+    cap = check_int("max_batch", max_batch, base) if max_batch is not None else None
 
     def batch_size(epoch: int) -> int:
-        b = base * k ** bisect.bisect_right(milestones, _int("epoch", epoch, 0))
+        b = base * k ** bisect.bisect_right(milestones, check_int("epoch", epoch, 0))
         return b if cap is None else min(b, cap)
 
     return batch_size
-
-
-class GrowingBatches(BatchSource):
-    """Mini-batches whose size follows a schedule of the epoch: ``xb, yb = batches(step)``.
-
-    Like :class:`lsdl_lab.data.ImageBatches`, a pure function of the step, so a resumed run
-    reads the batches an uninterrupted one would; it plugs into :func:`lsdl_lab.train.fit`
-    with ``steps=batches.epoch_start(epochs)``. Epoch ``e`` reads the examples in the same
-    seeded permutation as ``ImageBatches`` (so with a constant schedule the two give the same
-    batches) in batches of ``schedule(e)``; each example is read once per epoch. The last
-    batch of an epoch is smaller when the size does not divide the data, unless
-    ``drop_last=True`` drops it.
-
-    There is no ``steps_per_epoch`` (it changes with the epoch): :meth:`epoch_start`,
-    :meth:`epoch` and :meth:`batch_size` map between steps, epochs and sizes.
-    """
-
-    def __init__(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        schedule: Callable[[int], int],
-        seed: int = 0,
-        device=None,
-        *,
-        drop_last: bool = False,
-    ):
-        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-            raise TypeError("Invalid x, y: expected torch.Tensor")
-        if len(x) != len(y) or len(x) == 0:
-            raise ValueError(
-                f"Invalid x, y: expected equal non-zero lengths, got {len(x)}, {len(y)}"
-            )
-        if not callable(schedule):
-            raise TypeError(f"Invalid schedule: {schedule!r} (expected a function of the epoch)")
-        self.schedule, self.seed = schedule, _int("seed", seed, 0)
-        self.drop_last = bool(drop_last)
-        self.x, self.y = x.to(device), y.to(device)
-        self._starts = [0]  # _starts[e]: the first step of epoch e, extended on demand
-        self._epoch, self._perm = -1, None
-
-    @property
-    def n(self) -> int:
-        return len(self.y)
-
-    def batch_size_of_epoch(self, epoch: int) -> int:
-        b = self.schedule(_int("epoch", epoch, 0))
-        return _int(f"schedule({epoch})", b, 1, self.n, f" (the data set has {self.n} examples)")
-
-    def steps_in_epoch(self, epoch: int) -> int:
-        b = self.batch_size_of_epoch(epoch)
-        return self.n // b if self.drop_last else -(-self.n // b)
-
-    def epoch_start(self, epoch: int) -> int:
-        """The step at which epoch ``epoch`` starts (``epoch_start(E)`` = steps in E epochs)."""
-        epoch = _int("epoch", epoch, 0)
-        while len(self._starts) <= epoch:
-            self._starts.append(self._starts[-1] + self.steps_in_epoch(len(self._starts) - 1))
-        return self._starts[epoch]
-
-    def epoch(self, step: int) -> int:
-        """The epoch that step ``step`` belongs to."""
-        step = _step(step)
-        while self._starts[-1] <= step:
-            self.epoch_start(len(self._starts))
-        return bisect.bisect_right(self._starts, step) - 1
-
-    def batch_size(self, step: int) -> int:
-        """The size of the batch of step ``step`` (the last of an epoch may be smaller)."""
-        e = self.epoch(step)
-        b = self.batch_size_of_epoch(e)
-        return min(b, self.n - (step - self._starts[e]) * b)
-
-    def permutation(self, epoch: int) -> torch.Tensor:
-        """The order in which epoch ``epoch`` reads the examples (that of ImageBatches)."""
-        if epoch != self._epoch:
-            perm = torch.randperm(self.n, generator=_generator("epoch", self.seed, epoch))
-            self._epoch, self._perm = epoch, perm.to(self.y.device)
-        return self._perm
-
-    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        e = self.epoch(step)
-        b = self.batch_size_of_epoch(e)
-        i = step - self._starts[e]
-        idx = self.permutation(e)[i * b : (i + 1) * b]
-        return self.x[idx], self.y[idx]
