@@ -1,0 +1,128 @@
+"""Activation checkpointing: exact gradients, and memory falling as Chen et al. (2016) say."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lsdl_lab.memory.checkpoint import (
+    checkpoint_sequential,
+    segments,
+    sqrt_spacing,
+    sweep,
+    theoretical_peak,
+)
+from lsdl_lab.memory.measure import SavedTensorBytes
+
+L = 16
+
+
+def _blocks(dtype=torch.float64, dropout=0.0, width=12):
+    torch.manual_seed(1)
+    return [
+        nn.Sequential(nn.Linear(width, width), nn.Dropout(dropout), nn.Tanh()).to(dtype)
+        for _ in range(L)
+    ]
+
+
+def _grads(blocks, x, every, implementation, seed=5):
+    for b in blocks:
+        b.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    torch.manual_seed(seed)
+    checkpoint_sequential(blocks, x, every, implementation).square().sum().backward()
+    return [x.grad] + [p.grad for b in blocks for p in b.parameters()]
+
+
+@pytest.mark.parametrize("implementation", ["lsdl", "torch"])
+@pytest.mark.parametrize("every", [1, 3, 4, 16])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_gradients_equal_the_unchecked_run_bit_for_bit(implementation, every, dropout):
+    blocks = _blocks(dropout=dropout)
+    x = torch.randn(6, 12, dtype=torch.float64)
+    plain = _grads(blocks, x, None, implementation)
+    checked = _grads(blocks, x, every, implementation)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checked))
+
+
+def test_random_stream_continues_as_without_checkpointing():
+    blocks = _blocks(dropout=0.5)
+    x = torch.randn(6, 12, dtype=torch.float64)
+    _grads(blocks, x, None, "lsdl", seed=9)
+    after_plain = torch.rand(4)
+    _grads(blocks, x, 4, "lsdl", seed=9)
+    assert torch.equal(torch.rand(4), after_plain)
+
+
+def test_recompute_keeps_the_autocast_setting():
+    blocks = _blocks(dtype=torch.float32)
+    x = torch.randn(6, 12)
+    results = []
+    for every in (None, 4):
+        for b in blocks:
+            b.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = checkpoint_sequential(blocks, x, every)
+        assert y.dtype == torch.bfloat16
+        y.float().sum().backward()
+        results.append([p.grad for b in blocks for p in b.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_parameters_get_gradients_when_the_input_needs_none():
+    blocks = _blocks()
+    x = torch.randn(6, 12, dtype=torch.float64)  # requires_grad=False, as data is
+    checkpoint_sequential(blocks, x, 4).sum().backward()
+    assert all(p.grad is not None for b in blocks for p in b.parameters())
+
+
+def test_activation_bytes_fall_as_the_theory_says():
+    blocks = _blocks(width=32)
+    x = torch.randn(8, 32, dtype=torch.float64)
+    unit = x.numel() * 8  # one block keeps one (8, 32) float64 tensor: its Tanh output
+    for every in (None, 1, 2, 4, 8, 16):
+        with SavedTensorBytes(nn.ModuleList(blocks)) as c:
+            checkpoint_sequential(blocks, x, every).sum().backward()
+        assert c.peak == theoretical_peak(L, every) * unit, every
+    k = sqrt_spacing(L)
+    assert k == 4 and theoretical_peak(L, k) == 2 * math.sqrt(L) < theoretical_peak(L, None)
+
+
+def test_torch_checkpoint_keeps_the_same_inputs():
+    blocks = _blocks(width=32)
+    x = torch.randn(8, 32, dtype=torch.float64)
+    mine = sweep(blocks, x, [None, 2, 4, 8], "lsdl")
+    torch_rows = sweep(blocks, x, [None, 2, 4, 8], "torch")
+    assert [r["forward_bytes"] for r in mine] == [r["forward_bytes"] for r in torch_rows]
+    assert mine[2]["forward_bytes"] == mine[0]["forward_bytes"] * 4 // (L + 1)
+
+
+def test_sweep_shows_the_square_root_optimum_and_the_extra_forward():
+    blocks = _blocks(width=32)
+    rows = sweep(blocks, torch.randn(8, 32, dtype=torch.float64))
+    assert [r["every"] for r in rows] == [None, 1, 2, 4, 8, 16]
+    best = min(rows, key=lambda r: r["peak_bytes"])
+    assert best["every"] == sqrt_spacing(L)
+    assert best["peak_bytes"] <= 0.5 * rows[0]["peak_bytes"]
+    assert rows[0]["block_forwards"] == L
+    assert all(r["block_forwards"] == 2 * L for r in rows[1:])
+    assert all(r["seconds"] > 0 for r in rows)
+
+
+def test_segments_and_bad_arguments():
+    assert segments(5, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert segments(3, None) == [(0, 1), (1, 2), (2, 3)]
+    assert [sqrt_spacing(n) for n in (1, 2, 9, 16, 30)] == [1, 1, 3, 4, 5]
+    assert theoretical_peak(5, 2) == 3 + 2
+    blocks, x = _blocks(), torch.randn(2, 12, dtype=torch.float64)
+    with pytest.raises(ValueError, match="Invalid every"):
+        checkpoint_sequential(blocks, x, 0)
+    with pytest.raises(TypeError, match="Invalid every"):
+        checkpoint_sequential(blocks, x, 2.0)
+    with pytest.raises(ValueError, match="Invalid implementation"):
+        checkpoint_sequential(blocks, x, 2, "jax")
+    with pytest.raises(TypeError, match="Invalid blocks"):
+        checkpoint_sequential([], x, 2)
+    with pytest.raises(TypeError, match="Invalid x"):
+        checkpoint_sequential(blocks, [1.0], 2)

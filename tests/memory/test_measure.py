@@ -1,0 +1,128 @@
+"""Bytes per category (each storage once) and the saved-tensor counter of activations."""
+
+import pytest
+import torch
+from torch import nn
+
+from lsdl_lab.memory.measure import (
+    SavedTensorBytes,
+    format_bytes,
+    format_table,
+    measure,
+    measure_by_dtype,
+)
+from lsdl_lab.models import GPT, count_parameters
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_measure_counts_params_grads_and_adam_state():
+    model = _mlp()
+    n = count_parameters(model)
+    opt = torch.optim.Adam(model.parameters())
+    assert measure(model, opt) == {
+        "params": 4 * n,
+        "grads": 0,
+        "optimizer_state": 0,
+        "total": 4 * n,
+    }
+    model(torch.randn(5, 8)).sum().backward()
+    opt.step()
+    # Adam keeps exp_avg and exp_avg_sq (float32) and a 0-d float32 step per tensor.
+    tensors = len(list(model.parameters()))
+    expected = {"params": 4 * n, "grads": 4 * n, "optimizer_state": 8 * n + 4 * tensors}
+    expected["total"] = sum(expected.values())
+    assert measure(model, opt) == expected
+    assert measure(model) == {"params": 4 * n, "grads": 4 * n, "optimizer_state": 0, "total": 8 * n}
+
+
+def test_tied_weights_are_counted_once():
+    gpt = GPT(vocab_size=50, block_size=8, layers=1, heads=2, dim=16)
+    assert gpt.head.weight is gpt.tok.weight
+    assert measure(gpt)["params"] == 4 * count_parameters(gpt)
+    # Views of one flat buffer hold the buffer's bytes once, not once per view.
+    flat = torch.zeros(100)
+    model = nn.Module()
+    model.a = nn.Parameter(flat[:60].view(6, 10))
+    model.b = nn.Parameter(flat[60:])
+    assert measure(model)["params"] == 400
+
+
+def test_by_dtype_splits_the_bytes():
+    model = _mlp()
+    model[2].to(torch.bfloat16)
+    by = measure_by_dtype(model)
+    assert by["params"] == {"float32": 4 * (8 * 16 + 16), "bfloat16": 2 * (16 * 4 + 4)}
+    assert by["grads"] == {} and by["optimizer_state"] == {}
+
+
+def test_measure_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="Invalid model"):
+        measure("model")
+    with pytest.raises(TypeError, match="Invalid optimizer"):
+        measure(_mlp(), optimizer=[1, 2])
+
+
+def test_saved_bytes_exclude_parameters_and_count_storages_once():
+    lin = nn.Linear(10, 30)
+    x = torch.randn(4, 10, requires_grad=True)  # so the weight is saved for x's gradient
+    with SavedTensorBytes(lin) as c:
+        lin(x).sum().backward()
+    assert c.total == x.numel() * 4  # the weight (saved too) is a parameter
+    with SavedTensorBytes() as everything:
+        lin(x).sum().backward()
+    assert everything.total == (x.numel() + lin.weight.numel()) * 4
+
+    # q, k and v are views of one projection: one storage, counted once.
+    qkv = torch.randn(4, 30, requires_grad=True)
+    with SavedTensorBytes() as c:
+        y = qkv * 2.0  # saves nothing (a constant factor)
+        q, k, _ = y.split(10, dim=1)
+        (q * k).sum().backward()
+    assert c.total == 4 * 30 * 4  # the whole storage, once (two views would count 2 * 160)
+
+
+def test_saved_bytes_peak_and_release():
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)])
+    x = torch.randn(32, 16)
+    unit = x.numel() * 4
+    with SavedTensorBytes(blocks) as c:
+        loss = blocks(x).sum()
+        at_end_of_forward = c.live
+        loss.backward()
+    # The input (saved by the first Linear) and each Tanh's output (which the next Linear
+    # saves too: the same storage).
+    assert at_end_of_forward == c.peak == c.total == 9 * unit
+    assert c.live == 0  # backward freed the graph
+    with SavedTensorBytes(blocks) as kept:
+        blocks(x).sum().backward(retain_graph=True)
+    assert kept.live == 9 * unit
+    assert kept.allocator_peak is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_allocator_peak_on_cuda():
+    model = nn.Linear(256, 256).cuda()
+    x = torch.randn(512, 256, device="cuda")
+    with SavedTensorBytes(model, device="cuda") as c:
+        model(x).relu().sum().backward()
+    assert c.peak == 2 * x.numel() * 4  # the input and ReLU's output
+    assert c.allocator_peak >= c.peak
+
+
+def test_format_table_one_and_many_ranks():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(3 * 2**20) == "3.00 MiB"
+    assert format_bytes(1.5 * 2**40) == "1.50 TiB"
+    report = {"params": 2**20, "grads": 2**20, "optimizer_state": 2**21, "total": 2**22}
+    table = format_table(report).splitlines()
+    assert table[0].split() == ["category", "bytes"]
+    assert table[2].split() == ["params", "1.00", "MiB"]
+    assert table[-1].split() == ["total", "4.00", "MiB"]
+    ranks = format_table([report, {**report, "params": 2**10}]).splitlines()
+    assert ranks[0].split() == ["category", "rank", "0", "rank", "1"]
+    assert ranks[2].split() == ["params", "1.00", "MiB", "1.00", "KiB"]
+    with pytest.raises(ValueError, match="Invalid reports"):
+        format_table([])
