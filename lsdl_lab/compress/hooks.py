@@ -1,0 +1,173 @@
+"""The compressors as DDP communication hooks, each counting the bytes it hands to the
+collectives.
+
+Register one with ``ddp_model.register_comm_hook(state, hook)``, ``state`` a
+:class:`HookState`. DDP then calls ``hook(state, bucket)`` for each bucket of gradients
+(a flat buffer, about 25 MB) instead of all-reducing it, and uses the tensor the returned
+future holds as the bucket's averaged gradient.
+
+* :func:`allgather_hook`: any compressor. Each rank's packed payload is all-gathered, every
+  rank decompresses all of them and averages. Packed codes (signs, ternary values, QSGD
+  levels, top-k's values at differing indices) cannot be summed, so a gather is needed;
+  GRACE does the same with 8-bit codes.
+* :func:`allreduce_hook`: summable compressors (random-k with a shared seed): the payloads
+  are summed by an all-reduce and decompressed once.
+* :func:`powersgd_hook`: PowerSGD's two all-reduces (Vogels et al. 2019), as in torch's
+  ``powerSGD_hook``.
+
+The hooks run their collectives synchronously (simple to read; no overlap with the rest
+of the backward pass, unlike torch's hooks, which chain futures). Their state is kept per
+bucket, keyed by the bucket's parameters: DDP rebuilds its buckets once after the first
+step, and a residual kept by bucket *index* would then belong to other parameters
+(torch's PowerSGD hook avoids this by all-reducing uncompressed for its first
+``start_powerSGD_iter >= 2`` steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .._util import check_int
+from .compressor import Compressor, flatten_payload, unflatten_payload
+from .lowrank import PowerSGD, as_matrix, orthogonalize, worth_compressing
+
+
+class HookState:
+    """What a hook keeps between calls.
+
+    ``make_compressor()`` builds a fresh compressor; one is kept per bucket (for PowerSGD,
+    one per compressed matrix). For the first ``start_iter`` steps the bucket is all-reduced
+    uncompressed, like torch's ``start_powerSGD_iter``. ``bytes_sent`` counts the bytes this
+    rank handed to collectives (``numel * element_size`` of the tensors passed), ``steps``
+    the completed steps.
+    """
+
+    def __init__(
+        self,
+        make_compressor: Callable[[], Compressor],
+        group: dist.ProcessGroup | None = None,
+        start_iter: int = 0,
+    ):
+        if not callable(make_compressor):
+            raise TypeError(
+                f"Invalid make_compressor: {make_compressor!r} (expected a function that "
+                "returns a Compressor)"
+            )
+        self.make_compressor = make_compressor
+        self.group = group
+        self.start_iter = check_int("start_iter", start_iter, 0)
+        self.steps = 0
+        self.bytes_sent = 0
+        self.memory: dict[tuple, object] = {}
+
+    def remember(self, bucket: dist.GradBucket, make: Callable[[], object]) -> object:
+        """The object kept for this bucket's parameters (``make()`` the first time)."""
+        key = tuple(id(p) for p in bucket.parameters())
+        if key not in self.memory:
+            self.memory[key] = make()
+        return self.memory[key]
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks in place, divided by their number; counted."""
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        dist.all_reduce(tensor, group=self.group)
+        return tensor.div_(dist.get_world_size(self.group))
+
+    def compressing(self) -> bool:
+        return self.steps >= self.start_iter
+
+    def done(self, bucket: dist.GradBucket, result: torch.Tensor) -> torch.futures.Future:
+        """A completed future holding ``result``; the step ends with the last bucket."""
+        self.steps += bucket.is_last()
+        future = torch.futures.Future()
+        future.set_result(result)
+        return future
+
+
+def allgather_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Compress, all-gather every rank's packed payload, decompress each and average."""
+    grad = bucket.buffer()
+    if not state.compressing():
+        return state.done(bucket, state.all_reduce_mean(grad))
+    compressor = state.remember(bucket, state.make_compressor)
+    payload = compressor.compress(grad)
+    wire = flatten_payload(payload)  # one uint8 buffer: one collective
+    gathered = [torch.empty_like(wire) for _ in range(dist.get_world_size(state.group))]
+    dist.all_gather(gathered, wire, group=state.group)
+    state.bytes_sent += wire.numel()
+    total = sum(compressor.decompress(unflatten_payload(w, payload)) for w in gathered)
+    return state.done(bucket, grad.copy_(total).div_(len(gathered)))
+
+
+def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Compress, sum the payloads by one all-reduce, decompress the sum and average (for a
+    ``summable`` compressor, whose decompression is linear in what is sent)."""
+    grad = bucket.buffer()
+    if not state.compressing():
+        return state.done(bucket, state.all_reduce_mean(grad))
+    compressor = state.remember(bucket, state.make_compressor)
+    if not compressor.summable:
+        raise ValueError(
+            f"Invalid compressor: {type(compressor).__name__} payloads cannot be summed "
+            "(expected a summable compressor such as RandomK; use allgather_hook)"
+        )
+    payload = compressor.compress(grad)
+    total = state.all_reduce_mean(flatten_payload(payload, grad.dtype))
+    return state.done(bucket, grad.copy_(compressor.decompress(unflatten_payload(total, payload))))
+
+
+def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    r"""PowerSGD with error feedback and warm start (Vogels et al. 2019, Algorithms 1-2).
+
+    Per bucket: :math:`M \leftarrow g + e`; for each matrix worth compressing,
+    :math:`P = \text{all-reduce}(M Q)`, :math:`\hat P = \operatorname{orth}(P)`,
+    :math:`Q = \text{all-reduce}(M^\top \hat P) / W`, :math:`M \approx \hat P Q^\top`;
+    vectors (biases) are all-reduced uncompressed, in the same collective as the ``P``;
+    :math:`e \leftarrow g + e - \text{result}`. The kept ``Q`` is the averaged one. This is
+    torch's ``powerSGD_hook`` with ``min_compression_rate=1`` and QR orthogonalization;
+    torch also orthogonalizes the kept ``Q`` before use, which leaves the approximation
+    unchanged. ``state.make_compressor()`` must return a :class:`PowerSGD` (its rank and
+    seed; every rank must pass the same seed).
+    """
+    grad = bucket.buffer()
+    if not state.compressing():
+        return state.done(bucket, state.all_reduce_mean(grad))
+    grads = bucket.gradients()  # views into grad
+    error, compressors = state.remember(
+        bucket, lambda: (torch.zeros_like(grad), [state.make_compressor() for _ in grads])
+    )
+    if not isinstance(compressors[0], PowerSGD):
+        raise TypeError(
+            f"Invalid make_compressor: returns a {type(compressors[0]).__name__} "
+            "(expected a PowerSGD)"
+        )
+    grad.add_(error)
+    local = grad.clone()
+    low = [worth_compressing(g.shape, c.rank) for g, c in zip(grads, compressors)]
+    full = [g for g, yes in zip(grads, low) if not yes]
+    ms = [as_matrix(g) for g, yes in zip(grads, low) if yes]
+    cs = [c for c, yes in zip(compressors, low) if yes]
+
+    ps = _all_reduce_list(state, full + [m @ c.warm_q(m) for m, c in zip(ms, cs)])
+    for g, mean in zip(full, ps):
+        g.copy_(mean / dist.get_world_size(state.group))
+    ps = [orthogonalize(p) for p in ps[len(full) :]]
+    qs = _all_reduce_list(state, [m.T @ p for m, p in zip(ms, ps)])
+    for m, c, p, q in zip(ms, cs, ps, qs):
+        c.q = q / dist.get_world_size(state.group)
+        m.copy_(p @ c.q.T)
+    error.copy_(local - grad)
+    return state.done(bucket, grad)
+
+
+def _all_reduce_list(state: HookState, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors summed over the ranks by one all-reduce of their concatenation; counted."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    state.bytes_sent += flat.numel() * flat.element_size()
+    dist.all_reduce(flat, group=state.group)
+    return [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]

@@ -1,0 +1,36 @@
+import math
+
+import pytest
+import torch
+
+from lsdl_lab.compress.bits import pack_bits, packed_size, unpack_bits
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 100, 1001])
+def test_round_trip_and_size(width, n):
+    codes = torch.randint(0, 2**width, (n,))
+    packed = pack_bits(codes, width)
+    assert packed.dtype == torch.uint8
+    assert packed.numel() == math.ceil(n * width / 8) == packed_size(n, width)
+    assert torch.equal(unpack_bits(packed, width, n), codes)
+
+
+def test_bit_order_is_numpys_little_endian():
+    np = pytest.importorskip("numpy")
+    bits = torch.tensor([1, 0, 1, 1, 0, 0, 0, 0, 1, 1])
+    expected = np.packbits(bits.numpy().astype(np.uint8), bitorder="little")
+    assert pack_bits(bits, 1).tolist() == expected.tolist()
+    # two-bit codes: entry i occupies bits 2i and 2i + 1
+    assert pack_bits(torch.tensor([1, 2, 3, 0]), 2).tolist() == [1 + (2 << 2) + (3 << 4)]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="Invalid width: 0"):
+        pack_bits(torch.zeros(3), 0)
+    with pytest.raises(TypeError, match="Invalid codes"):
+        pack_bits([1, 0], 1)
+    with pytest.raises(ValueError, match="Invalid packed"):
+        unpack_bits(torch.zeros(2, dtype=torch.uint8), 1, 30)
+    with pytest.raises(ValueError, match="Invalid packed"):
+        unpack_bits(torch.zeros(1, dtype=torch.int64), 1, 8)
