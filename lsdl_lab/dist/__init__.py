@@ -3,8 +3,18 @@
 * :mod:`~lsdl_lab.dist.world`: start a world of processes from a notebook (:func:`spawn`)
   or join one under ``torchrun`` (:func:`init_from_env`), with timeouts, the failing
   rank's traceback, and no process left behind.
+* :mod:`~lsdl_lab.dist.collectives`: ring and recursive-doubling all-reduce, ring
+  all-gather and reduce-scatter, built from point-to-point messages; a blocking ring that
+  deadlocks.
 """
 
+from .collectives import (
+    naive_ring_all_reduce_blocking,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    tree_all_reduce,
+)
 from .world import (
     WorkerError,
     call_each,
@@ -23,6 +33,11 @@ __all__ = [
     "destroy",
     "free_port",
     "init_from_env",
+    "naive_ring_all_reduce_blocking",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "ring_reduce_scatter",
     "spawn",
+    "tree_all_reduce",
     "world_from_env",
 ]

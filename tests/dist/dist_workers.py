@@ -2,11 +2,20 @@
 name, so these live in a module on ``sys.path`` (the tests add this folder), not in a test
 file that pytest imports under a made-up name."""
 
+import hashlib
 import os
 import time
 
 import torch
 import torch.distributed as dist
+
+from lsdl_lab.dist import (
+    naive_ring_all_reduce_blocking,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    tree_all_reduce,
+)
 
 
 def describe(rank, world_size, payload=None):
@@ -54,3 +63,90 @@ def square(rank, world_size):
 
 def tensor_of(rank, world_size, n):
     return torch.full((n,), float(rank), dtype=torch.float64)
+
+
+# -- collectives ---------------------------------------------------------------------------
+
+
+def sizes(world_size):
+    """The sizes of issue 12: smaller than the world, equal to it, prime, large."""
+    return (1, 3, world_size, 7, 1000, 1_000_003)
+
+
+def _inputs(rank, n, dtype, salt=0):
+    gen = torch.Generator().manual_seed(10_000 * salt + 100 * n + rank)
+    if dtype == torch.int64:
+        return torch.randint(-1000, 1000, (n,), generator=gen)
+    return torch.randn(n, generator=gen, dtype=dtype)
+
+
+def _digest(tensor):
+    return hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
+
+
+def all_reduce_report(rank, world_size, group=None, ranks=None):
+    """For every size, ring and tree all-reduce against the exact sum (integers), the
+    float64 sum of every rank's inputs regenerated here, and ``dist.all_reduce``; with a
+    digest of each result, to compare across ranks."""
+    ranks = range(world_size) if ranks is None else ranks
+    report = {}
+    for n in sizes(len(ranks)):
+        exact = sum(_inputs(i, n, torch.int64) for i in ranks)
+        expected = sum(_inputs(i, n, torch.float64) for i in ranks)
+        builtin = _inputs(rank, n, torch.float64)
+        dist.all_reduce(builtin, group=group)
+        for name, all_reduce in (("ring", ring_all_reduce), ("tree", tree_all_reduce)):
+            ints = _inputs(rank, n, torch.int64)
+            x = _inputs(rank, n, torch.float64)
+            returned = all_reduce(x, group=group)
+            assert all_reduce(ints, group=group) is ints and returned is x
+            report[name, n] = {
+                "int_exact": torch.equal(ints, exact),
+                "error_vs_sum": ((x - expected).abs().max() / expected.abs().max()).item(),
+                "error_vs_builtin": ((x - builtin).abs().max() / builtin.abs().max()).item(),
+                "digest": _digest(x),
+            }
+    return report
+
+
+def subgroup_report(rank, world_size):
+    """The all-reduces on a group of ranks 1 and 3 (group ranks 0 and 1): peers must be
+    addressed by their rank in the group."""
+    members = [1, world_size - 1]
+    group = dist.new_group(members)
+    if rank not in members:
+        return None
+    return all_reduce_report(rank, world_size, group, members)
+
+
+def gather_scatter_report(rank, world_size):
+    """Ring all-gather and reduce-scatter against dist.all_gather and dist.reduce_scatter,
+    on 1-D tensors of every size and on a 2-D one."""
+    report = {}
+    for shape in [(n,) for n in sizes(world_size)] + [(3, 5)]:
+        x = torch.randn(shape, dtype=torch.float64)
+        mine = [torch.empty(shape, dtype=torch.float64) for _ in range(world_size)]
+        theirs = [torch.empty(shape, dtype=torch.float64) for _ in range(world_size)]
+        ring_all_gather(mine, x)
+        dist.all_gather(theirs, x)
+        inputs = [torch.randn(shape, dtype=torch.float64) for _ in range(world_size)]
+        kept = [t.clone() for t in inputs]
+        out, ref = torch.empty(shape, dtype=torch.float64), torch.empty(shape, dtype=torch.float64)
+        ring_reduce_scatter(out, inputs)
+        dist.reduce_scatter(ref, [t.clone() for t in inputs])
+        report[shape] = {
+            "gather_equal": all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+            "scatter_error": ((out - ref).abs().max() / ref.abs().max()).item(),
+            "inputs_unchanged": all(torch.equal(a, b) for a, b in zip(inputs, kept, strict=True)),
+        }
+    return report
+
+
+def naive_ring_timed(rank, world_size, n):
+    """The deadlocking ring; re-raises its error with the time it took to come."""
+    start = time.monotonic()
+    try:
+        naive_ring_all_reduce_blocking(torch.ones(n))
+    except RuntimeError as error:
+        raise RuntimeError(f"failed after {time.monotonic() - start:.3f} s") from error
+    return time.monotonic() - start
