@@ -2,6 +2,8 @@
 
 * :mod:`~lsdl_lab.memory.measure` -- bytes held per category and dtype, bytes saved for
   backward, tables per rank.
+* :mod:`~lsdl_lab.memory.precision` -- the dynamic loss scaler (GradScaler's semantics,
+  a floor, one skip decision over a process group) and fp16/bf16 demonstrations.
 * :mod:`~lsdl_lab.memory.checkpoint` -- activation checkpointing (Chen et al. 2016).
 """
 
@@ -14,8 +16,12 @@ from .checkpoint import (
     theoretical_peak,
 )
 from .measure import SavedTensorBytes, format_bytes, format_table, measure, measure_by_dtype
+from .precision import LossScaler, bf16_range_vs_precision, fp16_underflow
 
 __all__ = [
+    "LossScaler",
+    "bf16_range_vs_precision",
+    "fp16_underflow",
     "Recompute",
     "SavedTensorBytes",
     "checkpoint_sequential",
