@@ -6,6 +6,8 @@
 * :mod:`~lsdl_lab.dist.collectives`: ring and recursive-doubling all-reduce, ring
   all-gather and reduce-scatter, built from point-to-point messages; a blocking ring that
   deadlocks.
+* :mod:`~lsdl_lab.dist.cost`: the alpha-beta model of ring, tree and parameter-server
+  all-reduce, measured and fitted on the world at hand.
 """
 
 from .collectives import (
@@ -14,6 +16,14 @@ from .collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
     tree_all_reduce,
+)
+from .cost import (
+    AlphaBeta,
+    fit_alpha_beta,
+    measure_collective,
+    parameter_server_all_reduce_time,
+    ring_all_reduce_time,
+    tree_all_reduce_time,
 )
 from .world import (
     WorkerError,
@@ -27,6 +37,12 @@ from .world import (
 )
 
 __all__ = [
+    "AlphaBeta",
+    "fit_alpha_beta",
+    "measure_collective",
+    "parameter_server_all_reduce_time",
+    "ring_all_reduce_time",
+    "tree_all_reduce_time",
     "WorkerError",
     "call_each",
     "default_backend",

@@ -10,9 +10,12 @@ import torch
 import torch.distributed as dist
 
 from lsdl_lab.dist import (
+    fit_alpha_beta,
+    measure_collective,
     naive_ring_all_reduce_blocking,
     ring_all_gather,
     ring_all_reduce,
+    ring_all_reduce_time,
     ring_reduce_scatter,
     tree_all_reduce,
 )
@@ -150,3 +153,23 @@ def naive_ring_timed(rank, world_size, n):
     except RuntimeError as error:
         raise RuntimeError(f"failed after {time.monotonic() - start:.3f} s") from error
     return time.monotonic() - start
+
+
+# -- the cost model --------------------------------------------------------------------------
+
+
+def fitted_ring(rank, world_size, nbytes, held_out, attempts):
+    """Measure the ring at ``nbytes``, fit alpha and beta without ``held_out``, predict it;
+    measure again (at most ``attempts`` times) while the prediction is off by over 25%.
+    Every rank sees the same (slowest-rank) times, so all decide alike."""
+    tries = []
+    for _ in range(attempts):
+        seconds = measure_collective(ring_all_reduce, nbytes, repeats=15)
+        kept = [(n, s) for n, s in zip(nbytes, seconds, strict=True) if n != held_out]
+        fit = fit_alpha_beta(ring_all_reduce_time, world_size, *zip(*kept, strict=True))
+        predicted = fit.predict(ring_all_reduce_time, held_out, world_size)
+        measured = seconds[list(nbytes).index(held_out)]
+        tries.append({"seconds": seconds, "fit": fit, "predicted": predicted, "measured": measured})
+        if abs(predicted - measured) <= 0.25 * measured:
+            break
+    return tries

@@ -1,0 +1,155 @@
+"""The alpha-beta cost model of collectives: predict, measure, fit.
+
+Sending a message of n bytes between two processes takes alpha + n beta seconds
+(Hockney 1994): alpha is the latency of a message, beta the inverse of the link's
+bandwidth. An algorithm that runs in steps costs the sum of its steps' messages; for an
+all-reduce of n bytes over p ranks (Thakur, Rabenseifner & Gropp 2005; Chan et al. 2007):
+
+=============================  ===================================================
+ring (reduce-scatter, gather)  2(p-1) alpha + 2 (p-1)/p n beta
+recursive doubling ("tree")    log2 p (alpha + n beta) (p a power of two; else
+                               two more steps: :func:`tree_all_reduce_time`)
+parameter server               2(p-1) (alpha + n beta)
+=============================  ===================================================
+
+The ring sends the fewest bytes (its bandwidth term stays below 2 n beta for any p), the
+tree the fewest messages (its latency term grows as log p, the ring's as p): the tree wins
+for small messages, the ring for large ones. The parameter server's link carries every
+push and every pull, so its time grows linearly with p in both terms.
+
+Each model is a function ``time(nbytes, p, alpha, beta)``, linear in alpha and beta, so
+:func:`fit_alpha_beta` recovers alpha and beta from times measured on the machine at hand
+(:func:`measure_collective`) by least squares, and the fit can then predict sizes it was
+not fitted on.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .._util import check_int, check_nonnegative, check_positive
+
+__all__ = [
+    "AlphaBeta",
+    "fit_alpha_beta",
+    "measure_collective",
+    "parameter_server_all_reduce_time",
+    "ring_all_reduce_time",
+    "tree_all_reduce_time",
+]
+
+
+def ring_all_reduce_time(nbytes: float, p: int, alpha: float, beta: float) -> float:
+    """Ring all-reduce (Patarasuk & Yuan 2009): p-1 reduce-scatter steps then p-1
+    all-gather steps, each sending n/p bytes."""
+    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+
+
+def tree_all_reduce_time(nbytes: float, p: int, alpha: float, beta: float) -> float:
+    """Recursive doubling as :func:`~lsdl_lab.dist.tree_all_reduce` runs it: log2 q steps
+    of n bytes for the largest power of two q <= p, plus one step to fold the extra ranks
+    in and one to hand them the sum when p is not a power of two (Thakur et al. 2005)."""
+    q = 1 << (p.bit_length() - 1)
+    steps = int(math.log2(q)) + (2 if p != q else 0)
+    return steps * (alpha + nbytes * beta)
+
+
+def parameter_server_all_reduce_time(nbytes: float, p: int, alpha: float, beta: float) -> float:
+    """All-reduce through a parameter server: one of the p ranks is the server; the other
+    p-1 push their n bytes to it, then pull the n-byte sum back. Every message crosses the
+    server's link, one after another, so the time is that link's: 2(p-1)(alpha + n beta)
+    (the model of Li et al. 2014's server bottleneck; a sharded server divides it)."""
+    return 2 * (p - 1) * (alpha + nbytes * beta)
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """A fitted link: ``alpha`` seconds per message, ``beta`` seconds per byte."""
+
+    alpha: float
+    beta: float
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second (1 / beta)."""
+        return math.inf if self.beta == 0 else 1 / self.beta
+
+    def predict(self, model: Callable, nbytes: float, p: int) -> float:
+        """Seconds that ``model`` predicts for ``nbytes`` on ``p`` ranks over this link."""
+        return model(nbytes, p, self.alpha, self.beta)
+
+
+def fit_alpha_beta(
+    model: Callable, p: int, nbytes: Sequence[float], seconds: Sequence[float]
+) -> AlphaBeta:
+    """alpha and beta (both >= 0) such that ``model(n, p, alpha, beta)`` best matches the
+    measured ``seconds`` at sizes ``nbytes``.
+
+    The model is linear in (alpha, beta), with columns ``model(n, p, 1, 0)`` and
+    ``model(n, p, 0, 1)``. The fit minimizes the *relative* squared error, each row divided
+    by its time: plain least squares would fit the largest sizes alone and leave alpha, a
+    few microseconds, to the noise of milliseconds. Should alpha (or beta) come out
+    negative, the other is refitted alone with it at 0.
+    """
+    p = check_int("p", p, 1)
+    if len(nbytes) != len(seconds) or len(nbytes) < 2:
+        raise ValueError(
+            f"Invalid nbytes, seconds: {len(nbytes)} and {len(seconds)} values "
+            "(expected two lists of the same length, at least 2)"
+        )
+    for n, t in zip(nbytes, seconds, strict=True):
+        check_nonnegative("nbytes", n)
+        check_positive("seconds", t)
+    t = torch.tensor(seconds, dtype=torch.float64)
+    A = (
+        torch.tensor(
+            [[model(n, p, 1.0, 0.0), model(n, p, 0.0, 1.0)] for n in nbytes], dtype=torch.float64
+        )
+        / t[:, None]
+    )
+    b = torch.ones_like(t)
+    alpha, beta = torch.linalg.lstsq(A, b[:, None]).solution[:, 0].tolist()
+    if alpha < 0 or beta < 0:  # the best fit on the boundary: one parameter at zero
+        keep = 1 if alpha < 0 else 0
+        a = A[:, keep]
+        value = max(0.0, float(a @ b / (a @ a)))
+        alpha, beta = (0.0, value) if keep == 1 else (value, 0.0)
+    return AlphaBeta(alpha, beta)
+
+
+def measure_collective(
+    collective: Callable,
+    nbytes: Sequence[int],
+    repeats: int = 9,
+    dtype: torch.dtype = torch.float32,
+    group=None,
+) -> list[float]:
+    """Seconds that ``collective(tensor, group=group)`` takes on tensors of each of
+    ``nbytes`` bytes: the median over ``repeats`` calls of the slowest rank's time (a
+    collective is done when its last rank is done). Every rank of the group must call it.
+
+    Each call starts after a barrier, so ranks start together; one call before the timed
+    ones warms the connections and the allocator.
+    """
+    repeats = check_int("repeats", repeats, 1)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    medians = []
+    for n in nbytes:
+        x = torch.ones(check_int("nbytes", n, itemsize) // itemsize, dtype=dtype)
+        collective(x, group=group)
+        times = torch.empty(repeats, dtype=torch.float64)
+        for i in range(repeats):
+            dist.barrier(group)
+            start = time.perf_counter()
+            collective(x, group=group)
+            times[i] = time.perf_counter() - start
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        medians.append(statistics.median(times.tolist()))
+    return medians
