@@ -21,9 +21,11 @@ bucket, keyed by the bucket's parameters: DDP rebuilds its buckets once after th
 step, and a residual kept by bucket *index* would then belong to other parameters
 (torch's PowerSGD hook avoids this by all-reducing uncompressed for its first
 ``start_powerSGD_iter >= 2`` steps).
-"""
 
-from __future__ import annotations
+The hooks' annotations are real objects, not strings (no ``from __future__ import
+annotations``): DDP's ``register_comm_hook`` compares them with ``dist.GradBucket`` and
+``torch.futures.Future[torch.Tensor]``.
+"""
 
 from collections.abc import Callable
 
@@ -79,7 +81,9 @@ class HookState:
     def compressing(self) -> bool:
         return self.steps >= self.start_iter
 
-    def done(self, bucket: dist.GradBucket, result: torch.Tensor) -> torch.futures.Future:
+    def done(
+        self, bucket: dist.GradBucket, result: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
         """A completed future holding ``result``; the step ends with the last bucket."""
         self.steps += bucket.is_last()
         future = torch.futures.Future()
@@ -87,7 +91,7 @@ class HookState:
         return future
 
 
-def allgather_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def allgather_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Compress, all-gather every rank's packed payload, decompress each and average."""
     grad = bucket.buffer()
     if not state.compressing():
@@ -102,7 +106,7 @@ def allgather_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     return state.done(bucket, grad.copy_(total).div_(len(gathered)))
 
 
-def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Compress, sum the payloads by one all-reduce, decompress the sum and average (for a
     ``summable`` compressor, whose decompression is linear in what is sent)."""
     grad = bucket.buffer()
@@ -119,7 +123,7 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     return state.done(bucket, grad.copy_(compressor.decompress(unflatten_payload(total, payload))))
 
 
-def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     r"""PowerSGD with error feedback and warm start (Vogels et al. 2019, Algorithms 1-2).
 
     Per bucket: :math:`M \leftarrow g + e`; for each matrix worth compressing,
