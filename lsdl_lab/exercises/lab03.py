@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..check import check_function, exercise
+from ..check import CheckFailed, check_function, exercise
 
 
 def momentum_step(
@@ -69,8 +69,6 @@ def _momentum_cases(seed: int) -> list:
 def _rollout_against(student_fn, make_optimizer, name: str, steps: int = 6) -> None:
     """Run the student's step function and the library's optimizer on the same gradients
     (those of a fixed quadratic at the current weights) and compare the weights."""
-    from ..check import CheckFailed
-
     gen = torch.Generator().manual_seed(30)
     A = torch.randn(4, 4, generator=gen, dtype=torch.float64)
     A = A @ A.T / 4 + torch.eye(4, dtype=torch.float64)

@@ -17,7 +17,7 @@ def hutchinson_trace(hvp: HVP, num_params: int, samples: int, generator: torch.G
     the mean of :math:`v^\top Hv` over Rademacher vectors :math:`v` (entries :math:`\pm1`
     with probability 1/2 each, so :math:`\mathbb E[vv^\top] = I`), drawn from ``generator``
     as ``2 * torch.randint(0, 2, (num_params,)) - 1`` in float32, the convention of
-    :func:`lsdl_lab.hessian.trace` for a float32 network."""
+    :func:`lsdl_lab.curvature.trace` for a float32 network."""
     total = 0.0
     for _ in range(samples):
         v = (2 * torch.randint(0, 2, (num_params,), generator=generator) - 1).float()
@@ -28,7 +28,7 @@ def hutchinson_trace(hvp: HVP, num_params: int, samples: int, generator: torch.G
 def power_iteration_step(hvp: HVP, v: torch.Tensor) -> tuple[torch.Tensor, float]:
     r"""One step of power iteration from the unit vector ``v``: the Rayleigh quotient
     :math:`\lambda = v^\top Hv` and the next vector :math:`Hv / \|Hv\|`, as in
-    :func:`lsdl_lab.hessian.top_eigenvalues`."""
+    :func:`lsdl_lab.curvature.top_eigenvalues`."""
     Hv = hvp(v)
     return Hv / Hv.norm(), float(v @ Hv)
 
@@ -150,13 +150,13 @@ def check_hutchinson_trace(student_fn) -> None:
             "estimator's standard error is sqrt(2 sum_(i!=j) A_ij^2 / samples) = "
             f"{stderr:.3g})\n  hint: average v @ hvp(v) over the samples"
         )
-    # The same generator convention as lsdl_lab.hessian.trace gives the same numbers.
+    # The same generator convention as lsdl_lab.curvature.trace gives the same numbers.
     same = _call_hutchinson(student_fn, A, 50, seed=53)[0]
     reference = hutchinson_trace(_CountingHVP(A), 30, 50, torch.Generator().manual_seed(53))
     note = (
-        "the same draws as lsdl_lab.hessian.trace"
+        "the same draws as lsdl_lab.curvature.trace"
         if math.isclose(same, reference, rel_tol=1e-9, abs_tol=1e-9)
-        else "other draws than lsdl_lab.hessian.trace (fine: the estimate is still right)"
+        else "other draws than lsdl_lab.curvature.trace (fine: the estimate is still right)"
     )
     print(
         f"✔ hutchinson_trace: exact on 4 diagonal matrices; {value:.4g} vs trace {exact:.4g} "

@@ -94,13 +94,13 @@ def test_mistakes_are_caught_and_named(name, wrong, message):
 
 
 def test_hutchinson_reference_matches_the_library():
-    # The reference draws exactly what lsdl_lab.hessian.trace draws for a float32 operator.
-    from lsdl_lab import hessian, models
+    # The reference draws exactly what lsdl_lab.curvature.trace draws for a float32 operator.
+    from lsdl_lab import curvature, models
 
     torch.manual_seed(0)
     model = models.MLP(4, 3, hidden=5, depth=1)
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
-    H = hessian.HessianOperator(model, torch.nn.functional.cross_entropy, [(x, y)])
+    H = curvature.HessianOperator(model, torch.nn.functional.cross_entropy, [(x, y)])
     gen = torch.Generator().manual_seed(7)
     mine = lab05.hutchinson_trace(H.matvec, H.num_parameters, 10, gen)
-    assert mine == pytest.approx(hessian.trace(H, samples=10, seed=7)[0], rel=1e-6)
+    assert mine == pytest.approx(curvature.trace(H, samples=10, seed=7)[0], rel=1e-6)
