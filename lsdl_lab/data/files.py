@@ -65,7 +65,9 @@ class RemoteFile:
     def __post_init__(self):
         check_int("size", self.size, 0)
         if self.md5 is None and self.sha256 is None:
-            raise ValueError(f"Invalid {self.filename} record: no md5 and no sha256 (expected one)")
+            raise ValueError(
+                f"Invalid md5, sha256 of {self.filename}: None, None (expected at least one)"
+            )
         if Path(self.filename).name != self.filename:
             raise ValueError(f"Invalid filename: {self.filename!r} (expected a bare file name)")
 

@@ -201,7 +201,7 @@ def test_a_record_with_a_wrong_checksum_fails_verification(tmp_path, record_of):
 @pytest.mark.parametrize(
     "changes, error, match",
     [
-        ({"md5": None, "sha256": None}, ValueError, "no md5 and no sha256"),
+        ({"md5": None, "sha256": None}, ValueError, "Invalid md5, sha256 of blob.bin: None, None"),
         ({"filename": "sub/blob.bin"}, ValueError, "Invalid filename: 'sub/blob.bin'"),
         ({"size": -1}, ValueError, "Invalid size: -1"),
         ({"size": True}, TypeError, "Invalid size: True"),
