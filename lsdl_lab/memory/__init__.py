@@ -5,8 +5,13 @@
 * :mod:`~lsdl_lab.memory.precision` -- the dynamic loss scaler (GradScaler's semantics,
   a floor, one skip decision over a process group) and fp16/bf16 demonstrations.
 * :mod:`~lsdl_lab.memory.checkpoint` -- activation checkpointing (Chen et al. 2016).
+* :mod:`~lsdl_lab.memory.zero` -- bytes per rank under ZeRO's stages (Rajbhandari et al.
+  2020).
+* :mod:`~lsdl_lab.memory.calculator` -- bytes per rank of each category for training a
+  GPT, activations by Korthikanti et al. (2022).
 """
 
+from .calculator import activation_bytes, gpt_memory, gpt_param_shapes, optimizer_state_bytes
 from .checkpoint import (
     Recompute,
     checkpoint_sequential,
@@ -17,20 +22,26 @@ from .checkpoint import (
 )
 from .measure import SavedTensorBytes, format_bytes, format_table, measure, measure_by_dtype
 from .precision import LossScaler, bf16_range_vs_precision, fp16_underflow
+from .zero import zero_bytes
 
 __all__ = [
-    "LossScaler",
+    "activation_bytes",
     "bf16_range_vs_precision",
-    "fp16_underflow",
-    "Recompute",
-    "SavedTensorBytes",
     "checkpoint_sequential",
     "format_bytes",
     "format_table",
+    "fp16_underflow",
+    "gpt_memory",
+    "gpt_param_shapes",
+    "LossScaler",
     "measure",
     "measure_by_dtype",
+    "optimizer_state_bytes",
+    "Recompute",
+    "SavedTensorBytes",
     "segments",
     "sqrt_spacing",
     "sweep",
     "theoretical_peak",
+    "zero_bytes",
 ]

@@ -1,0 +1,205 @@
+"""The memory calculator: bytes per rank of each category for training a GPT.
+
+For a GPT-2-style model (pre-norm blocks, learned positions, output layer tied to the
+token embedding, as :class:`lsdl_lab.models.GPT`) of ``layers`` blocks of width h with
+a heads, trained on micro-batches of b sequences of s tokens over a vocabulary of v:
+
+* **Model states** (parameters, gradients, optimizer state): Psi parameters per
+  tensor-parallel rank times the bytes of each, partitioned by :func:`zero_bytes` over
+  the data-parallel ranks. Mixed precision (``"bf16"``, ``"fp16"``) keeps 16-bit weights
+  and gradients and puts the float32 master weights in the optimizer state
+  (Rajbhandari et al. 2020): Adam K = 12, SGD with momentum K = 8, Adafactor 4 + its
+  factored second moment (Shazeer & Stern 2018: n + m numbers for an n x m matrix, no
+  first moment). ``"fp32"`` keeps 4-byte weights and gradients, Adam K = 8, SGD K = 4,
+  Adafactor its factored moment only.
+
+* **Activations** by Korthikanti et al. (2022), Section 4: per layer, with p bytes per
+  activation and 1-byte dropout masks, ``sbh(34 + 5as/h)`` bytes for p = 2 (eq. 2), made of
+  sbh(4p + 2) kept whole on every tensor-parallel rank (two LayerNorm inputs, the inputs
+  of the QKV and first MLP layers, two dropout masks) and 12p·sbh/t + (2p + 1)as²b/t split
+  over t ranks (Q, K, V, the projection's input, the GeLU's input and output; the
+  attention scores' softmax, its dropout mask and output): ``sbh(10 + 24/t + 5as/(ht))``
+  (eq. 3); sequence parallelism splits the rest too, ``sbh/t (34 + 5as/h)`` (eq. 4).
+  *Selective* recomputation drops the as² terms (eq. 6, ``34sbh``), *full* recomputation
+  keeps only each layer's input, p·sbh (2sbh in the paper). Outside the layers (Section
+  4.3): the embedding's dropout mask sbh, the final LayerNorm's and the output layer's
+  inputs 2p·sbh, and float32 logits for the cross-entropy, 4sbv (split over t).
+
+Two switches describe the book's own GPT: ``dropout=False`` (no masks when dropout is 0)
+and ``attention="fused"``: ``scaled_dot_product_attention``'s fused kernels
+(FlashAttention, Dao et al. 2022) keep no s x s scores; they keep the output (the same
+storage as the projection's input here) and a float32 log-sum-exp per query and head,
+4abs bytes, and recompute the scores in the backward pass.
+"""
+
+from __future__ import annotations
+
+from .._util import check_bool, check_choice, check_int
+from .zero import zero_bytes
+
+__all__ = [
+    "ATTENTIONS",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "RECOMPUTE",
+    "activation_bytes",
+    "gpt_memory",
+    "gpt_param_shapes",
+    "optimizer_state_bytes",
+]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adam", "sgd_momentum", "adafactor")
+RECOMPUTE = ("none", "selective", "full")
+ATTENTIONS = ("materialized", "fused")
+
+
+def gpt_param_shapes(
+    layers: int, hidden: int, vocab: int, positions: int, tp: int = 1, tied: bool = True
+) -> list[tuple[int, ...]]:
+    """The parameter shapes of the GPT held by one of ``tp`` tensor-parallel ranks.
+
+    Per block: LayerNorm (h, h), QKV (3h x h, 3h), projection (h x h, h), MLP (4h x h, 4h,
+    h x 4h, h), LayerNorm (h, h): 12h² + 13h. Megatron-LM's split (Shoeybi et al. 2019):
+    QKV and the first MLP layer by rows (with their biases), the projection and the second
+    MLP layer by columns, the token embedding by vocabulary; LayerNorms, the projection's
+    and second MLP layer's biases and the positions whole on every rank.
+    """
+    h, t = hidden, tp
+    for name, value in (("layers", layers), ("hidden", hidden), ("vocab", vocab)):
+        check_int(name, value, 1)
+    check_int("positions", positions, 1)
+    check_int("tp", tp, 1)
+    check_bool("tied", tied)
+    if hidden % tp or (4 * hidden) % tp or vocab % tp:
+        raise ValueError(f"Invalid tp: {tp} (expected a divisor of hidden and vocab)")
+    block = [(h,), (h,), (3 * h // t, h), (3 * h // t,), (h, h // t), (h,)]
+    block += [(h,), (h,), (4 * h // t, h), (4 * h // t,), (h, 4 * h // t), (h,)]
+    shapes = [(vocab // t, h), (positions, h)] + block * layers + [(h,), (h,)]
+    if not tied:
+        shapes.append((vocab // t, h))
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def optimizer_state_bytes(shapes: list[tuple[int, ...]], optimizer: str, precision: str) -> int:
+    """Bytes of optimizer state for parameters of these shapes (see the module's text)."""
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    check_choice("precision", precision, PRECISIONS)
+    psi = sum(_numel(s) for s in shapes)
+    master = 0 if precision == "fp32" else 4 * psi
+    if optimizer == "adam":
+        return master + 8 * psi
+    if optimizer == "sgd_momentum":
+        return master + 4 * psi
+    # Adafactor: a row and a column statistic for a matrix, a full one for a vector.
+    return master + 4 * sum(s[0] + s[1] if len(s) == 2 else _numel(s) for s in shapes)
+
+
+def activation_bytes(
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq_len: int,
+    micro_batch: int,
+    vocab: int,
+    precision: str = "bf16",
+    recompute: str = "none",
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    dropout: bool = True,
+    attention: str = "materialized",
+) -> float:
+    """Bytes of activations kept for the backward pass on one rank (Korthikanti et al.
+    2022, eqs. 2-6 and Section 4.3, generalized to p bytes per activation: p = 2 in mixed
+    precision, 4 in float32; see the module's text)."""
+    L, h, a = check_int("layers", layers, 1), check_int("hidden", hidden, 1), heads
+    check_int("heads", heads, 1)
+    s, b, v = seq_len, micro_batch, vocab
+    check_int("seq_len", s, 1)
+    check_int("micro_batch", b, 1)
+    check_int("vocab", v, 1)
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("recompute", recompute, RECOMPUTE)
+    check_choice("attention", attention, ATTENTIONS)
+    t = check_int("tp", tp, 1)
+    sp = t if check_bool("sequence_parallel", sequence_parallel) else 1
+    m = 1 if check_bool("dropout", dropout) else 0
+    p = 4 if precision == "fp32" else 2
+    sbh = s * b * h
+    whole = sbh * (4 * p + 2 * m) / sp
+    split = sbh * 12 * p / t
+    if attention == "materialized":
+        scores = a * s * s * b * (2 * p + m) / t
+    else:
+        scores = 4 * a * s * b / t  # the float32 log-sum-exp of each query and head
+    if recompute == "none":
+        per_layer = whole + split + scores
+    elif recompute == "selective":
+        per_layer = whole + split
+    else:
+        per_layer = p * sbh / sp
+    outside = sbh * m / sp + 2 * p * sbh / sp + 4 * s * b * v / t
+    return L * per_layer + outside
+
+
+def gpt_memory(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq_len: int,
+    micro_batch: int,
+    vocab: int,
+    precision: str = "bf16",
+    optimizer: str = "adam",
+    zero_stage: int = 0,
+    dp: int = 1,
+    tp: int = 1,
+    recompute: str = "none",
+    positions: int | None = None,
+    tied: bool = True,
+    sequence_parallel: bool = False,
+    dropout: bool = True,
+    attention: str = "materialized",
+) -> dict[str, float]:
+    """Bytes per rank of ``params``, ``grads``, ``optimizer_state``, ``activations`` and
+    their ``total`` for training a GPT (the module's text gives every assumption).
+
+    ``positions`` is the number of learned positions (the block size; default
+    ``seq_len``). ``dp`` ranks partition the model states by ZeRO ``zero_stage``; ``tp``
+    ranks split the layers (Megatron-LM). Buffers, temporaries, the allocator's
+    fragmentation and communication buffers are not counted.
+    """
+    check_choice("precision", precision, PRECISIONS)
+    shapes = gpt_param_shapes(layers, hidden, vocab, positions or seq_len, tp, tied)
+    if hidden % check_int("heads", heads, 1):
+        raise ValueError(f"Invalid heads: {heads} (expected a divisor of hidden={hidden})")
+    psi = sum(_numel(s) for s in shapes)
+    width = 4 if precision == "fp32" else 2
+    k = optimizer_state_bytes(shapes, optimizer, precision) / psi
+    out = zero_bytes(psi, zero_stage, dp, k, param_bytes=width, grad_bytes=width)
+    del out["total"]
+    out["activations"] = activation_bytes(
+        layers,
+        hidden,
+        heads,
+        seq_len,
+        micro_batch,
+        vocab,
+        precision,
+        recompute,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        dropout=dropout,
+        attention=attention,
+    )
+    out["total"] = sum(out.values())
+    return out

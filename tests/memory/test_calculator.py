@@ -1,0 +1,159 @@
+"""The memory calculator against Korthikanti et al.'s formulas and against measurement."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lsdl_lab.memory.calculator import (
+    activation_bytes,
+    gpt_memory,
+    gpt_param_shapes,
+    optimizer_state_bytes,
+)
+from lsdl_lab.memory.measure import SavedTensorBytes, measure
+from lsdl_lab.memory.zero import zero_bytes
+from lsdl_lab.models import GPT, count_parameters
+
+# GPT-3-like sizes (hidden 6144, 64 heads, 48 layers: the scale Korthikanti et al. study).
+SHAPE = dict(layers=48, hidden=6144, heads=64, seq_len=2048, micro_batch=4, vocab=51200)
+
+
+def _per_layer(recompute, **kw):
+    one = {**SHAPE, "layers": 1}
+    two = {**SHAPE, "layers": 2}
+    return activation_bytes(**two, recompute=recompute, **kw) - activation_bytes(
+        **one, recompute=recompute, **kw
+    )
+
+
+def test_korthikanti_per_layer_equations():
+    s, b, h, a = 2048, 4, 6144, 64
+    sbh = s * b * h
+    assert _per_layer("none") == pytest.approx(sbh * (34 + 5 * a * s / h), rel=1e-12)  # eq. 2
+    assert _per_layer("selective") == 34 * sbh  # eq. 6
+    assert _per_layer("full") == 2 * sbh
+    t = 8
+    assert _per_layer("none", tp=t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert _per_layer("none", tp=t, sequence_parallel=True) == pytest.approx(
+        sbh / t * (34 + 5 * a * s / h)
+    )  # eq. 4
+    assert _per_layer("selective", tp=t, sequence_parallel=True) == pytest.approx(34 * sbh / t)
+    # Float32 activations: 16 tensors of sbh elements at 4 bytes, scores 2as²b at 4, masks 1.
+    assert _per_layer("none", precision="fp32") == pytest.approx(sbh * (66 + 9 * a * s / h))
+
+
+def test_outside_the_layers():
+    s, b, h, v = 2048, 4, 6144, 51200
+    zero_layers = 2 * activation_bytes(**{**SHAPE, "layers": 1}) - activation_bytes(
+        **{**SHAPE, "layers": 2}
+    )
+    # Section 4.3: embedding dropout mask sbh, final LayerNorm and output inputs 4sbh,
+    # float32 logits for the cross-entropy 4sbv.
+    assert zero_layers == s * b * h * (1 + 4) + 4 * s * b * v
+
+
+def test_parameter_count_is_the_book_gpt():
+    for layers, dim, vocab, block in [(2, 64, 64, 32), (3, 96, 100, 16), (1, 128, 65, 8)]:
+        gpt = GPT(vocab, block, layers, heads=4, dim=dim)
+        shapes = gpt_param_shapes(layers, dim, vocab, block)
+        assert sum(torch.Size(s).numel() for s in shapes) == count_parameters(gpt)
+        untied = gpt_param_shapes(layers, dim, vocab, block, tied=False)
+        assert len(untied) == len(shapes) + 1
+
+
+def test_tensor_parallel_splits_the_matrices():
+    full = sum(torch.Size(s).numel() for s in gpt_param_shapes(4, 256, 1024, 128))
+    half = sum(torch.Size(s).numel() for s in gpt_param_shapes(4, 256, 1024, 128, tp=2))
+    h = 256
+    replicated = 4 * (6 * h) + 128 * h + 2 * h  # LayerNorms, two biases, positions
+    assert half == (full - replicated) / 2 + replicated
+
+
+def test_model_states_follow_zero_and_the_optimizer():
+    report = gpt_memory(**SHAPE, precision="bf16", optimizer="adam", zero_stage=2, dp=8)
+    psi = sum(torch.Size(s).numel() for s in gpt_param_shapes(48, 6144, 51200, 2048))
+    expected = zero_bytes(psi, 2, 8)
+    for key in ("params", "grads", "optimizer_state"):
+        assert report[key] == pytest.approx(expected[key])
+    assert report["total"] == pytest.approx(expected["total"] + report["activations"])
+    shapes = [(3, 5), (7,)]
+    assert optimizer_state_bytes(shapes, "adam", "fp32") == 8 * 22
+    assert optimizer_state_bytes(shapes, "sgd_momentum", "bf16") == 8 * 22
+    assert optimizer_state_bytes(shapes, "adafactor", "fp32") == 4 * (3 + 5 + 7)
+    assert optimizer_state_bytes(shapes, "adafactor", "fp16") == 4 * 22 + 4 * (3 + 5 + 7)
+
+
+def _measure_gpt(vocab, seq, layers, heads, dim, batch, optimizer):
+    gpt = GPT(vocab, seq, layers, heads, dim)
+    idx, target = torch.randint(vocab, (batch, seq)), torch.randint(vocab, (batch, seq))
+    with SavedTensorBytes(gpt) as saved:
+        F.cross_entropy(gpt(idx).flatten(0, 1), target.flatten()).backward()
+    opt = {
+        "adam": lambda p: torch.optim.Adam(p),
+        "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "adafactor": lambda p: torch.optim.Adafactor(p),
+    }[optimizer](gpt.parameters())
+    opt.step()
+    return measure(gpt, opt), saved.peak, len(list(gpt.parameters()))
+
+
+SIZES = [(64, 32, 2, 4, 64, 4), (96, 64, 3, 4, 96, 2), (128, 48, 2, 8, 128, 3)]
+
+
+@pytest.mark.parametrize("vocab, seq, layers, heads, dim, batch", SIZES)
+@pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum", "adafactor"])
+def test_calculator_against_measurement(vocab, seq, layers, heads, dim, batch, optimizer):
+    measured, activations, tensors = _measure_gpt(vocab, seq, layers, heads, dim, batch, optimizer)
+    shape = dict(layers=layers, hidden=dim, heads=heads, seq_len=seq, micro_batch=batch)
+    calc = gpt_memory(
+        **shape, vocab=vocab, precision="fp32", optimizer=optimizer, dropout=False,
+        attention="fused",
+    )  # fmt: skip
+    assert measured["params"] == calc["params"] and measured["grads"] == calc["grads"]
+    # torch.optim keeps a 0-d float32 step count per tensor (none for SGD), not in the formula.
+    steps = 0 if optimizer == "sgd_momentum" else 4 * tensors
+    assert measured["optimizer_state"] == calc["optimizer_state"] + steps
+    assert abs(measured["optimizer_state"] / calc["optimizer_state"] - 1) < 0.10
+    # Activations: what the formula leaves out, each term explained. Every LayerNorm
+    # (2 per layer and the final one) keeps its float32 mean and 1/std per token (2sb
+    # floats); the embeddings keep their int64 token and position indices, the loss its
+    # int64 targets and a float32 total weight.
+    s, b = seq, batch
+    extras = (2 * layers + 1) * 2 * s * b * 4 + 8 * s * b + 8 * s + 8 * s * b + 4
+    assert activations == calc["activations"] + extras
+    assert abs(activations / calc["activations"] - 1) < 0.25
+    # Korthikanti's formula assumes materialized attention scores (softmax input and
+    # output, 2as²b numbers per layer); the book's GPT calls scaled_dot_product_attention,
+    # whose fused kernel keeps a log-sum-exp (as b floats) instead.
+    materialized = gpt_memory(
+        **shape, vocab=vocab, precision="fp32", optimizer=optimizer, dropout=False,
+    )["activations"]  # fmt: skip
+    assert materialized - calc["activations"] == layers * 4 * (
+        2 * heads * s * s * b - heads * s * b
+    )
+
+
+def test_recomputation_lowers_activations_only():
+    none, sel, full = (gpt_memory(**SHAPE, recompute=r) for r in ("none", "selective", "full"))
+    assert none["activations"] > sel["activations"] > full["activations"]
+    assert none["params"] == sel["params"] == full["params"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, name, error",
+    [
+        ({"precision": "fp8"}, "precision", ValueError),
+        ({"optimizer": "lion"}, "optimizer", ValueError),
+        ({"recompute": "some"}, "recompute", ValueError),
+        ({"zero_stage": 4}, "stage", ValueError),
+        ({"dp": 0}, "world_size", ValueError),
+        ({"tp": 5}, "tp", ValueError),
+        ({"heads": 5}, "heads", ValueError),
+        ({"layers": 0}, "layers", ValueError),
+        ({"attention": "sparse"}, "attention", ValueError),
+        ({"dropout": 1}, "dropout", TypeError),
+    ],
+)
+def test_bad_arguments(kwargs, name, error):
+    with pytest.raises(error, match=f"Invalid {name}"):
+        gpt_memory(**{**SHAPE, **kwargs})
