@@ -126,3 +126,34 @@ def test_segments_and_bad_arguments():
         checkpoint_sequential([], x, 2)
     with pytest.raises(TypeError, match="Invalid x"):
         checkpoint_sequential(blocks, [1.0], 2)
+
+
+def test_the_book_gpt_blocks_with_dropout():
+    from lsdl_lab.models import GPT
+
+    s, b, h, layers = 16, 2, 32, 4
+    gpt = GPT(50, s, layers, heads=4, dim=h, dropout=0.1).double()
+    x = torch.randn(b, s, h, dtype=torch.float64)
+    unit = s * b * h * 8  # one float64 activation of the residual stream
+    results = {}
+    for every in (None, 1, 2):
+        gpt.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        torch.manual_seed(3)
+        with SavedTensorBytes(gpt) as c:
+            y = checkpoint_sequential(gpt.blocks, xx, every)
+            kept = c.live
+            y.sum().backward()
+        grads = [xx.grad] + [p.grad for p in gpt.blocks.parameters()]
+        results[every] = (grads, kept, c.peak)
+    plain, kept_plain, layer_total = results[None]
+    layer = layer_total / layers  # one block's saved bytes, its own input included
+    for every in (1, 2):
+        grads, kept, peak = results[every]
+        assert all(torch.equal(a, g) for a, g in zip(plain, grads))  # dropout replayed
+        # Kept: each segment's input, p·sbh per segment (Korthikanti et al.'s full
+        # recomputation at every=1); peak: those inputs, plus the last segment's blocks
+        # recomputed (whose first block's input is the kept one, counted once).
+        assert kept == layers // every * unit
+        assert peak == kept - unit + every * layer
+    assert kept_plain == layer_total > results[1][2]
