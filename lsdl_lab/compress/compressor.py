@@ -26,26 +26,29 @@ def payload_nbytes(payload: NamedTuple) -> int:
     return sum(t.numel() * t.element_size() for t in wire_tensors(payload))
 
 
-def flatten_payload(payload: NamedTuple, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """The payload's tensors as one flat tensor of ``dtype`` (their bytes reinterpreted, not
-    converted), so one collective sends the whole payload; :func:`unflatten_payload` undoes
-    it. ``uint8`` for a gather (any mix of dtypes); a float dtype for a sum."""
-    return torch.cat([t.reshape(-1).view(dtype) for t in wire_tensors(payload)])
+def with_wire_tensors(payload: NamedTuple, tensors: list[torch.Tensor]) -> NamedTuple:
+    """``payload`` with its sent tensors replaced, in order, by ``tensors`` (after a
+    collective); the fields that are not sent are kept."""
+    replacements = iter(tensors)
+    fields = [next(replacements) if isinstance(f, torch.Tensor) else f for f in payload]
+    return type(payload)(*fields)
+
+
+def flatten_payload(payload: NamedTuple) -> torch.Tensor:
+    """The payload's tensors as one flat ``uint8`` tensor, their bytes end to end, so one
+    collective sends the whole payload whatever its dtypes; :func:`unflatten_payload`
+    undoes it."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in wire_tensors(payload)])
 
 
 def unflatten_payload(flat: torch.Tensor, like: NamedTuple) -> NamedTuple:
-    """A payload shaped like ``like`` whose tensors are read back from ``flat`` (another rank's
-    :func:`flatten_payload`); the fields that are not sent are taken from ``like``."""
-    fields, offset = [], 0
-    for field in like:
-        if isinstance(field, torch.Tensor):
-            n = field.numel() * field.element_size() // flat.element_size()
-            # clone: a slice at an odd byte offset cannot be viewed as a wider dtype
-            chunk = flat[offset : offset + n].clone()
-            field = chunk.view(field.dtype).reshape(field.shape)
-            offset += n
-        fields.append(field)
-    return type(like)(*fields)
+    """A payload shaped like ``like`` whose tensors are read back from the bytes ``flat``
+    (another rank's :func:`flatten_payload`)."""
+    like_tensors = wire_tensors(like)
+    chunks = flat.split([t.numel() * t.element_size() for t in like_tensors])
+    # clone: a slice at an odd byte offset cannot be viewed as a wider dtype
+    tensors = [c.clone().view(t.dtype).reshape(t.shape) for c, t in zip(chunks, like_tensors)]
+    return with_wire_tensors(like, tensors)
 
 
 def numel(shape: torch.Size) -> int:

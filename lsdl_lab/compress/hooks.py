@@ -33,7 +33,13 @@ import torch
 import torch.distributed as dist
 
 from .._util import check_int
-from .compressor import Compressor, flatten_payload, unflatten_payload
+from .compressor import (
+    Compressor,
+    flatten_payload,
+    unflatten_payload,
+    wire_tensors,
+    with_wire_tensors,
+)
 from .lowrank import PowerSGD, as_matrix, orthogonalize, worth_compressing
 
 
@@ -72,11 +78,14 @@ class HookState:
             self.memory[key] = make()
         return self.memory[key]
 
-    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over the ranks in place, divided by their number; counted."""
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        dist.all_reduce(tensor, group=self.group)
-        return tensor.div_(dist.get_world_size(self.group))
+    def all_reduce_mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor averaged over the ranks, by one all-reduce of their concatenation
+        (one collective, not one per tensor); the bytes handed to it are counted."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.bytes_sent += flat.numel() * flat.element_size()
+        dist.all_reduce(flat, group=self.group)
+        flat /= dist.get_world_size(self.group)
+        return [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
     def compressing(self) -> bool:
         return self.steps >= self.start_iter
@@ -95,7 +104,7 @@ def allgather_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     """Compress, all-gather every rank's packed payload, decompress each and average."""
     grad = bucket.buffer()
     if not state.compressing():
-        return state.done(bucket, state.all_reduce_mean(grad))
+        return state.done(bucket, grad.copy_(state.all_reduce_mean([grad])[0]))
     compressor = state.remember(bucket, state.make_compressor)
     payload = compressor.compress(grad)
     wire = flatten_payload(payload)  # one uint8 buffer: one collective
@@ -111,7 +120,7 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     ``summable`` compressor, whose decompression is linear in what is sent)."""
     grad = bucket.buffer()
     if not state.compressing():
-        return state.done(bucket, state.all_reduce_mean(grad))
+        return state.done(bucket, grad.copy_(state.all_reduce_mean([grad])[0]))
     compressor = state.remember(bucket, state.make_compressor)
     if not compressor.summable:
         raise ValueError(
@@ -119,8 +128,8 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
             "(expected a summable compressor such as RandomK; use allgather_hook)"
         )
     payload = compressor.compress(grad)
-    total = state.all_reduce_mean(flatten_payload(payload, grad.dtype))
-    return state.done(bucket, grad.copy_(compressor.decompress(unflatten_payload(total, payload))))
+    mean = with_wire_tensors(payload, state.all_reduce_mean(wire_tensors(payload)))
+    return state.done(bucket, grad.copy_(compressor.decompress(mean)))
 
 
 def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -138,7 +147,7 @@ def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     """
     grad = bucket.buffer()
     if not state.compressing():
-        return state.done(bucket, state.all_reduce_mean(grad))
+        return state.done(bucket, grad.copy_(state.all_reduce_mean([grad])[0]))
     grads = bucket.gradients()  # views into grad
     error, compressors = state.remember(
         bucket, lambda: (torch.zeros_like(grad), [state.make_compressor() for _ in grads])
@@ -148,30 +157,21 @@ def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
             f"Invalid make_compressor: returns a {type(compressors[0]).__name__} "
             "(expected a PowerSGD)"
         )
-    grad.add_(error)
+    grad.add_(error)  # M = g + e, in the bucket's views
     local = grad.clone()
-    low = [worth_compressing(g.shape, c.rank) for g, c in zip(grads, compressors)]
-    full = [g for g, yes in zip(grads, low) if not yes]
-    ms = [as_matrix(g) for g, yes in zip(grads, low) if yes]
-    cs = [c for c, yes in zip(compressors, low) if yes]
+    worth = [worth_compressing(g.shape, c.rank) for g, c in zip(grads, compressors)]
+    small = [g for g, w in zip(grads, worth) if not w]
+    pairs = [(as_matrix(g), c) for g, c, w in zip(grads, compressors, worth) if w]
 
-    ps = _all_reduce_list(state, full + [m @ c.warm_q(m) for m, c in zip(ms, cs)])
-    for g, mean in zip(full, ps):
-        g.copy_(mean / dist.get_world_size(state.group))
-    ps = [orthogonalize(p) for p in ps[len(full) :]]
-    qs = _all_reduce_list(state, [m.T @ p for m, p in zip(ms, ps)])
-    for m, c, p, q in zip(ms, cs, ps, qs):
-        c.q = q / dist.get_world_size(state.group)
-        m.copy_(p @ c.q.T)
-    error.copy_(local - grad)
+    # one all-reduce for the uncompressed tensors and every P = M Q (the mean P spans what
+    # torch's summed P spans: orthogonalization ignores the scale)
+    means = state.all_reduce_mean(small + [m @ c.warm_q(m) for m, c in pairs])
+    for g, mean in zip(small, means):
+        g.copy_(mean)
+    ps = [orthogonalize(p) for p in means[len(small) :]]
+    qs = state.all_reduce_mean([m.T @ p for (m, _), p in zip(pairs, ps)])
+    for (m, c), p, q in zip(pairs, ps, qs):
+        c.q = q  # warm start from the averaged Q
+        m.copy_(p @ q.T)
+    error.copy_(local - grad)  # e = M - what was applied
     return state.done(bucket, grad)
-
-
-def _all_reduce_list(state: HookState, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors summed over the ranks by one all-reduce of their concatenation; counted."""
-    if not tensors:
-        return []
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    state.bytes_sent += flat.numel() * flat.element_size()
-    dist.all_reduce(flat, group=state.group)
-    return [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
