@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from ._util import check_choice, check_int
+
 __all__ = ["PROFILES", "Profile", "current", "device_for", "seed_everything", "setup"]
 
 T = TypeVar("T")
@@ -117,17 +119,12 @@ PROFILES: dict[str, Profile] = {
 
 def current(name: str | None = None) -> Profile:
     """The profile named ``name``, else ``$LSDL_SCALE``, else ``gpu`` with CUDA, else ``cpu``."""
-    if name is None:
-        name = os.environ.get(ENV_VAR, "").strip().lower() or None
-        source = f"environment variable {ENV_VAR}"
-    else:
-        source = "argument name"
-    if name is None:
+    if name is not None:
+        return PROFILES[check_choice("name", name, list(PROFILES))]
+    name = os.environ.get(ENV_VAR, "").strip().lower()
+    if not name:
         return PROFILES["gpu" if torch.cuda.is_available() else "cpu"]
-    if name not in PROFILES:
-        valid = ", ".join(repr(k) for k in PROFILES)
-        raise ValueError(f"Invalid scale profile {name!r} (from {source}); valid profiles: {valid}")
-    return PROFILES[name]
+    return PROFILES[check_choice(f"{ENV_VAR} (environment variable)", name, list(PROFILES))]
 
 
 def device_for(profile: Profile) -> torch.device:
@@ -138,8 +135,7 @@ def device_for(profile: Profile) -> torch.device:
 
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices)."""
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"Invalid seed: {seed!r} (expected a non-negative int)")
+    seed = check_int("seed", seed, 0)
     random.seed(seed)
     np.random.seed(seed % 2**32)  # noqa: NPY002 -- seeds the legacy global generator on purpose
     torch.manual_seed(seed)

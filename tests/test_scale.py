@@ -22,9 +22,12 @@ def test_automatic_choice_follows_cuda(monkeypatch):
 
 def test_unknown_profile_lists_valid_ones(monkeypatch):
     monkeypatch.setenv("LSDL_SCALE", "huge")
-    with pytest.raises(ValueError, match="'huge'.*LSDL_SCALE.*'smoke', 'cpu', 'gpu'"):
+    expected = r"\(expected one of 'smoke', 'cpu', 'gpu'\)"
+    with pytest.raises(
+        ValueError, match=r"Invalid LSDL_SCALE \(environment variable\): 'huge' " + expected
+    ):
         scale.current()
-    with pytest.raises(ValueError, match="argument"):
+    with pytest.raises(ValueError, match="Invalid name: 'tiny' " + expected):
         scale.current("tiny")
 
 
@@ -53,7 +56,9 @@ def test_setup_prints_profile_and_device(capsys, monkeypatch):
     assert torch.equal(a, torch.rand(3))
 
 
-@pytest.mark.parametrize("seed", [-1, 1.5, "0"])
-def test_bad_seed(seed):
-    with pytest.raises(ValueError, match="Invalid seed"):
+@pytest.mark.parametrize(
+    "seed,error", [(-1, ValueError), (1.5, TypeError), ("0", TypeError), (True, TypeError)]
+)
+def test_bad_seed(seed, error):
+    with pytest.raises(error, match="Invalid seed"):
         scale.seed_everything(seed)
