@@ -1,4 +1,4 @@
-"""Hessian probes of ``lsdl_lab.hessian`` against PyHessian 0.1 (Yao et al., 2020), side by side.
+"""Hessian probes of ``lsdl_lab.curvature`` against PyHessian 0.1 (Yao et al., 2020), side by side.
 
 Each case is one model and one data set, given to both libraries: the book's MLP and its
 CIFAR-style ResNet (He et al., 2016) at a small size, on scikit-learn's 8x8 digits, the
@@ -61,8 +61,7 @@ from benchmarks.timing import (  # noqa: E402
     results_path,
     write_report,
 )
-from lsdl_lab import hessian as hs  # noqa: E402
-from lsdl_lab import models  # noqa: E402
+from lsdl_lab import curvature, models  # noqa: E402
 from lsdl_lab.data import load_digits  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "hessian.md"
@@ -189,17 +188,17 @@ MAX_PAIRS = 25
 def timed(
     row: Row,
     fns: dict[str, Callable],
-    counts: dict[str, list[int]],
+    counts: dict[str, Callable[[], int]],
     repeats: int,
     timer,
     budget: float = 0.0,
 ):
     """Time ``fns`` in interleaved pairs into ``row``, after one untimed round; each records
-    its answer itself. At least ``repeats`` pairs, more when more fit ``budget`` seconds
-    (at most ``MAX_PAIRS``): a 50-millisecond probe timed three times is at the mercy of
-    one slow moment."""
-    for c in counts.values():
-        c[0] = 0
+    its answer itself, and ``counts[who]()`` tells how many products ``who`` has made so
+    far. At least ``repeats`` pairs, more when more fit ``budget`` seconds (at most
+    ``MAX_PAIRS``): a 50-millisecond probe timed three times is at the mercy of one slow
+    moment."""
+    before = {who: count() for who, count in counts.items()}
     t0 = timer()
     for fn in fns.values():  # the untimed round
         fn()
@@ -210,7 +209,7 @@ def timed(
     result = compare(fns, repeats=repeats, warmup=0, timer=timer)
     for who in fns:
         row.ms[who] = tuple(1e3 * t for t in quartiles(result.times[who]))
-        row.hvps[who] = counts[who][0] / (repeats + 1)
+        row.hvps[who] = (counts[who]() - before[who]) / (repeats + 1)
     if len(fns) == 2:
         row.speedup = quartiles(result.ratios("PyHessian", "lsdl_lab"))
 
@@ -221,7 +220,7 @@ def fmt_mean(samples: list[float]) -> str:
     return f"{mean:.4g} ± {se:.2g}"
 
 
-def probes(H: hs.HessianOperator, theirs: Theirs | None, s: Settings, device) -> list:
+def probes(H: curvature.HessianOperator, theirs: Theirs | None, s: Settings, device) -> list:
     """(probe, repeats, lsdl_lab call, PyHessian call): each call returns its answer as text."""
     gen = torch.Generator(device=device).manual_seed(s.seed)
     v = [torch.randn(p.shape, generator=gen, device=device) for p in H.params]
@@ -236,6 +235,9 @@ def probes(H: hs.HessianOperator, theirs: Theirs | None, s: Settings, device) ->
             return f"fails: {type(e).__name__}: {str(e).splitlines()[0][:90]}"
         return "ran"
 
+    def top_eigenvalue() -> float:
+        return curvature.top_eigenvalues(H, iters=s.iters, tol=s.tol, seed=s.seed)[0][0]
+
     def ritz_range(sd) -> str:
         return f"Ritz values in [{sd.nodes.min():.4g}, {sd.nodes.max():.4g}]"
 
@@ -249,9 +251,7 @@ def probes(H: hs.HessianOperator, theirs: Theirs | None, s: Settings, device) ->
         (
             f"top eigenvalue (≤ {s.iters} iterations, tol {s.tol:g})",
             s.probe_repeats,
-            lambda: (
-                f"λ₁ = {hs.top_eigenvalues(H, iters=s.iters, tol=s.tol, seed=s.seed)[0][0]:.6g}"
-            ),
+            lambda: f"λ₁ = {top_eigenvalue():.6g}",
             lambda: (
                 f"λ₁ = {theirs.call('eigenvalues', s.seed, maxIter=s.iters, tol=s.tol)[0][0]:.6g}"
             ),
@@ -259,7 +259,9 @@ def probes(H: hs.HessianOperator, theirs: Theirs | None, s: Settings, device) ->
         (
             f"trace ({s.probes} Rademacher probes)",
             s.probe_repeats,
-            lambda: "tr H = {:.4g} ± {:.2g}".format(*hs.trace(H, samples=s.probes, seed=s.seed)),
+            lambda: "tr H = {:.4g} ± {:.2g}".format(
+                *curvature.trace(H, samples=s.probes, seed=s.seed)
+            ),
             # tol = -inf: its relative-change stop never fires, so it takes every probe
             lambda: (
                 f"tr H = {fmt_mean(theirs.call('trace', s.seed, maxIter=s.probes, tol=-math.inf))}"
@@ -268,7 +270,7 @@ def probes(H: hs.HessianOperator, theirs: Theirs | None, s: Settings, device) ->
         (
             f"density (SLQ, {s.lanczos} Lanczos steps, 1 run)",
             s.probe_repeats,
-            lambda: ritz_range(hs.spectral_density(H, runs=1, m=s.lanczos, seed=s.seed)),
+            lambda: ritz_range(curvature.spectral_density(H, runs=1, m=s.lanczos, seed=s.seed)),
             their_density,
         ),
     ]
@@ -277,13 +279,12 @@ def probes(H: hs.HessianOperator, theirs: Theirs | None, s: Settings, device) ->
 def benchmark_case(name: str, settings: Settings, device, timer, log) -> tuple[str, int, list[Row]]:
     """Every probe of one case: (description, number of parameters, rows)."""
     model, batches = make_case(name, settings, device)
-    counts = {"lsdl_lab": [0]}
-    H = hs.HessianOperator(model, F.cross_entropy, batches)
-    H._hvp = counted(H._hvp, counts["lsdl_lab"])  # every probe's products go through it
+    H = curvature.HessianOperator(model, F.cross_entropy, batches)
+    counts = {"lsdl_lab": lambda: H.products}
     ph = pyhessian()
     theirs = Theirs(ph, model, batches, device) if ph is not None else None
     if theirs is not None:
-        counts["PyHessian"] = theirs.count
+        counts["PyHessian"] = lambda: theirs.count[0]
     n = H.num_parameters
     header = f"{CASES[name][0]}: {n:,} parameters, {sum(len(x) for x, _ in batches)} examples"
     log(header)

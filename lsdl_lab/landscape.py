@@ -18,7 +18,7 @@ Conventions shared by every function:
 
 - ``batches`` is one ``(x, y)`` pair or an iterable of them (a list, a DataLoader); the
   loss is the mean over all examples, :math:`\sum_b \frac{n_b}{N}\,
-  \texttt{loss\_fn}(\texttt{model}(x_b), y_b)`, as in :mod:`lsdl_lab.hessian`. The
+  \texttt{loss\_fn}(\texttt{model}(x_b), y_b)`, as in :mod:`lsdl_lab.curvature`. The
   batches are moved to the parameters' device once.
 - The model is evaluated in **evaluation mode** (BatchNorm uses its running statistics,
   dropout is off), so the loss is a fixed function of the weights; each submodule's mode is
@@ -43,13 +43,23 @@ import torch
 from torch import Tensor, nn
 from torch.optim.swa_utils import update_bn
 
-from .hessian import _batches_and_weights, _check_int, _eval_mode
+from ._util import (
+    LossFn,
+    check_bool,
+    check_choice,
+    check_int,
+    check_positive,
+    device_of,
+    eval_mode,
+    flatten,
+    unflatten,
+    weighted_batches,
+)
 from .plot import PALETTE
 
 __all__ = [
     "Interpolation",
     "Sharpness",
-    "accuracy",
     "epsilon_sharpness",
     "interpolate",
     "loss_at",
@@ -62,7 +72,6 @@ __all__ = [
     "slice_2d",
 ]
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
 IGNORE = ("biasbn", None)
 METHODS = ("sign_ascent", "l-bfgs-b")
 BATCHNORM = ("interpolate", "recompute")
@@ -71,17 +80,10 @@ BATCHNORM = ("interpolate", "recompute")
 # -- evaluating the loss ------------------------------------------------------------------
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    if p is None:
-        raise ValueError("Invalid model: it has no parameters")
-    return p.device
-
-
 def _prepare(model: nn.Module, batches) -> tuple[list, list[float]]:
     """The batches as a list on the model's device, with their weights n_b / N."""
-    device = _device_of(model)
-    batches, weights = _batches_and_weights(batches)
+    device = device_of(model)
+    batches, weights = weighted_batches(batches)
     return [(x.to(device), y.to(device)) for x, y in batches], weights
 
 
@@ -96,14 +98,8 @@ def loss_at(model: nn.Module, loss_fn: LossFn, batches) -> float:
     Evaluation mode, no gradient; the model's mode is restored afterwards.
     """
     batches, weights = _prepare(model, batches)
-    with _eval_mode(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         return _mean_loss(model, loss_fn, batches, weights)
-
-
-def accuracy(output: Tensor, target: Tensor) -> Tensor:
-    """Fraction of rows of ``output`` (N, K) whose largest logit is the ``target`` class; a
-    ``metric`` for :func:`interpolate`."""
-    return (output.argmax(-1) == target).double().mean()
 
 
 @contextmanager
@@ -141,13 +137,6 @@ class Sharpness:
     steps: int
 
 
-def _check_positive(name: str, value) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (ok and math.isfinite(value) and value > 0):
-        raise ValueError(f"Invalid {name}: {value!r} (expected a finite number > 0)")
-    return float(value)
-
-
 def _loss_and_grad(model, loss_fn, params, batches, weights) -> tuple[float, list[Tensor]]:
     """The mean loss and its gradient, by autograd.grad so that ``.grad`` stays untouched."""
     loss, grads = 0.0, [torch.zeros_like(p) for p in params]
@@ -178,19 +167,17 @@ def _lbfgsb(f_and_grad, z, r, steps) -> float:
     ``steps`` iterations. Returns the largest loss of any point it evaluated."""
     from scipy.optimize import minimize  # scipy comes with scikit-learn, a dependency
 
-    shapes, numels = [zi.shape for zi in z], [zi.numel() for zi in z]
     like = z[0]
-    bound = torch.cat([ri.reshape(-1) for ri in r]).double().cpu().numpy()
+    bound = flatten(r).double().cpu().numpy()
     best = [-math.inf]
 
     def fun(flat: np.ndarray):
         t = torch.as_tensor(flat, dtype=like.dtype, device=like.device)
-        parts = [v.view(s) for v, s in zip(t.split(numels), shapes)]
-        loss, g = f_and_grad(parts)
+        loss, g = f_and_grad(unflatten(t, z))
         best[0] = max(best[0], loss)
-        return -loss, -torch.cat([gi.reshape(-1) for gi in g]).double().cpu().numpy()
+        return -loss, -flatten(g).double().cpu().numpy()
 
-    x0 = torch.cat([zi.reshape(-1) for zi in z]).double().cpu().numpy()
+    x0 = flatten(z).double().cpu().numpy()
     minimize(
         fun,
         x0,
@@ -242,17 +229,17 @@ def epsilon_sharpness(
     not, and the model is in evaluation mode. The parameters are restored exactly and
     ``.grad`` is not touched.
     """
-    epsilon = _check_positive("epsilon", epsilon)
-    _check_int("steps", steps, 1)
-    if method not in METHODS:
-        raise ValueError(f"Invalid method: {method!r} (expected one of {METHODS})")
-    step_size = 2.5 / steps if step_size is None else _check_positive("step_size", step_size)
+    epsilon = check_positive("epsilon", epsilon)
+    check_int("steps", steps, 1)
+    check_int("seed", seed, 0)
+    check_choice("method", method, METHODS)
+    step_size = 2.5 / steps if step_size is None else check_positive("step_size", step_size)
     batches, weights = _prepare(model, batches)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("Invalid model: no parameter requires a gradient")
 
-    with _eval_mode(model), _restored(params) as x:
+    with eval_mode(model), _restored(params) as x:
         with torch.no_grad():
             loss = _mean_loss(model, loss_fn, batches, weights)
         r = [epsilon * (xi.abs() + 1) for xi in x]
@@ -303,9 +290,9 @@ def random_direction(
     Returns one tensor per tensor of ``model.parameters()``, in that order. Scaling every
     weight by :math:`c > 0` scales a filter-normalized direction by :math:`c`.
     """
-    if ignore not in IGNORE:
-        raise ValueError(f"Invalid ignore: {ignore!r} (expected 'biasbn' or None)")
-    gen = torch.Generator().manual_seed(seed)
+    check_choice("ignore", ignore, IGNORE)
+    check_bool("filter_normalize", filter_normalize)
+    gen = torch.Generator().manual_seed(check_int("seed", seed, 0))
     direction = []
     for p in model.parameters():
         w = p.detach()
@@ -335,7 +322,7 @@ def _grid(model, loss_fn, batches, directions, coordinates) -> np.ndarray:
     directions = [_check_direction(f"d{k + 1}", params, d) for k, d in enumerate(directions)]
     batches, weights = _prepare(model, batches)
     losses = []
-    with _eval_mode(model), _restored(params) as theta, torch.no_grad():
+    with eval_mode(model), _restored(params) as theta, torch.no_grad():
         for c in coordinates:
             point = list(theta)
             for ck, d in zip(c, directions):
@@ -403,9 +390,9 @@ def interpolate(
     (Goodfellow, Vinyals & Saxe, 2015).
 
     ``alphas`` may leave :math:`[0, 1]` (the usual plot runs from -0.5 to 1.5). With
-    ``metric`` (for example :func:`accuracy`, a function of ``(output, target)`` averaging
-    over the batch) its mean over the examples is returned too. Neither model is changed:
-    a copy of ``model_a`` is evaluated, in evaluation mode.
+    ``metric`` (a function of ``(output, target)`` averaging over the batch, for example
+    :func:`lsdl_lab.train.accuracy`) its mean over the examples is returned too. Neither
+    model is changed: a copy of ``model_a`` is evaluated, in evaluation mode.
 
     **BatchNorm** (``batchnorm``):
 
@@ -425,8 +412,7 @@ def interpolate(
     Integer buffers (``num_batches_tracked``) are copied from ``model_a``.
     """
     _check_same_architecture(model_a, model_b)
-    if batchnorm not in BATCHNORM:
-        raise ValueError(f"Invalid batchnorm: {batchnorm!r} (expected one of {BATCHNORM})")
+    check_choice("batchnorm", batchnorm, BATCHNORM)
     alphas = _as_array("alphas", alphas)
     model = copy.deepcopy(model_a)
     batches, weights = _prepare(model, batches)
@@ -435,7 +421,7 @@ def interpolate(
     theta = dict(model.state_dict())  # the copy's own tensors, written in place
     losses, metrics = [], []
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    with _eval_mode(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         for alpha in alphas:
             for k in floating:
                 theta[k].copy_(torch.lerp(a[k], b[k].to(a[k].device), float(alpha)))
@@ -458,10 +444,23 @@ def interpolate(
 # -- Dinh et al. (2017): sharpness is not invariant to reparametrization -------------------
 
 
-def _layer(model: nn.Module, layer) -> nn.Module:
-    module = model.get_submodule(layer) if isinstance(layer, str) else layer
+def _layer(model: nn.Module, name: str, layer) -> nn.Module:
+    """``layer`` (argument ``name``): a submodule of ``model`` with a weight, or its name."""
+    if isinstance(layer, str):
+        try:
+            module = model.get_submodule(layer)
+        except AttributeError:
+            raise ValueError(
+                f"Invalid {name}: {layer!r} (expected the name of a submodule of model)"
+            ) from None
+    elif isinstance(layer, nn.Module):
+        module = layer
+    else:
+        raise TypeError(
+            f"Invalid {name}: a {type(layer).__name__} (expected a submodule of model or its name)"
+        )
     if not isinstance(getattr(module, "weight", None), Tensor):
-        raise ValueError(f"Invalid layer: {layer!r} (expected a module with a weight)")
+        raise ValueError(f"Invalid {name}: {layer!r} (expected a module with a weight)")
     return module
 
 
@@ -482,8 +481,8 @@ def rescale_relu_layers(model: nn.Module, first, second, alpha: float) -> nn.Mod
     ``"net.3"`` in :class:`lsdl_lab.models.MLP`). Whether only positively homogeneous
     operations connect them is the caller's responsibility. Returns ``model``.
     """
-    alpha = _check_positive("alpha", alpha)
-    first, second = _layer(model, first), _layer(model, second)
+    alpha = check_positive("alpha", alpha)
+    first, second = _layer(model, "first", first), _layer(model, "second", second)
     first.weight.mul_(alpha)
     if getattr(first, "bias", None) is not None:
         first.bias.mul_(alpha)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._util import check_int, check_positive, check_real
+
 __all__ = [
     "GPT",
     "GhostBatchNorm2d",
@@ -36,12 +38,6 @@ def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
     return total
 
 
-def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"Invalid {name}: {value!r} (expected an int >= {minimum})")
-    return value
-
-
 class _Counted(nn.Module):
     def num_parameters(self) -> int:
         return count_parameters(self)
@@ -52,10 +48,10 @@ class MLP(_Counted):
 
     def __init__(self, in_features: int, num_classes: int, hidden: int = 256, depth: int = 2):
         super().__init__()
-        _positive_int("in_features", in_features)
-        _positive_int("num_classes", num_classes)
-        _positive_int("hidden", hidden)
-        _positive_int("depth", depth, minimum=0)
+        check_int("in_features", in_features, 1)
+        check_int("num_classes", num_classes, 1)
+        check_int("hidden", hidden, 1)
+        check_int("depth", depth, 0)
         widths = [in_features] + [hidden] * depth
         layers: list[nn.Module] = [nn.Flatten()]
         for a, b in zip(widths[:-1], widths[1:], strict=True):
@@ -87,7 +83,7 @@ class GhostBatchNorm2d(nn.BatchNorm2d):
 
     def __init__(self, num_features: int, ghost_batch_size: int, **bn_kwargs):
         super().__init__(num_features, **bn_kwargs)
-        self.ghost_batch_size = _positive_int("ghost_batch_size", ghost_batch_size)
+        self.ghost_batch_size = check_int("ghost_batch_size", ghost_batch_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch_norm = super().forward
@@ -106,7 +102,7 @@ def ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> nn.Module:
     A GhostBatchNorm2d already there gets the new ``ghost_batch_size``. When ``model`` is
     itself a BatchNorm2d, the replacement is returned (a module cannot replace itself).
     """
-    _positive_int("ghost_batch_size", ghost_batch_size)
+    check_int("ghost_batch_size", ghost_batch_size, 1)
     if isinstance(model, nn.BatchNorm2d):
         return _ghost_of(model, ghost_batch_size)
     for parent in list(model.modules()):
@@ -173,13 +169,13 @@ class ResNet(_Counted):
         self, depth: int = 20, width: int = 16, num_classes: int = 10, in_channels: int = 3
     ):
         super().__init__()
-        if not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
+        if check_int("depth", depth) < 8 or (depth - 2) % 6:
             raise ValueError(
                 f"Invalid depth: {depth!r} (expected 6n + 2 with n >= 1: 8, 14, 20, ...)"
             )
-        _positive_int("width", width)
-        _positive_int("num_classes", num_classes, minimum=2)
-        _positive_int("in_channels", in_channels)
+        check_int("width", width, 1)
+        check_int("num_classes", num_classes, 2)
+        check_int("in_channels", in_channels, 1)
         n = (depth - 2) // 6
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
@@ -263,11 +259,10 @@ class GPT(_Counted):
             ("heads", heads),
             ("dim", dim),
         ):
-            _positive_int(name, value)
+            check_int(name, value, 1)
         if dim % heads:
-            raise ValueError(f"Invalid heads: {heads} (must divide dim={dim})")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"Invalid dropout: {dropout} (expected 0 <= dropout < 1)")
+            raise ValueError(f"Invalid heads: {heads} (expected a divisor of dim = {dim})")
+        check_real("dropout", dropout, 0.0, 1.0, high_open=True)
         self.block_size = block_size
         self.tok = nn.Embedding(vocab_size, dim)
         self.pos = nn.Embedding(block_size, dim)
@@ -306,8 +301,8 @@ class GPT(_Counted):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Sample ``new_tokens`` continuations of ``idx`` (B, T), one token at a time."""
-        if temperature <= 0:
-            raise ValueError(f"Invalid temperature: {temperature} (expected > 0)")
+        check_int("new_tokens", new_tokens, 0)
+        check_positive("temperature", temperature)
         for _ in range(new_tokens):
             logits = self(idx[:, -self.block_size :])[:, -1] / temperature
             nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)

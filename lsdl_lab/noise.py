@@ -21,12 +21,14 @@ per-example terms, and the law above does not apply as stated.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+
+from ._util import LossFn, check_bool, check_int, check_positive, check_real, eval_mode, flatten
 
 __all__ = [
     "GradientNoise",
@@ -41,21 +43,6 @@ __all__ = [
     "steps_and_examples",
 ]
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class _eval_mode:
-    """Evaluation mode inside the block, the caller's mode restored after it."""
-
-    def __init__(self, model: nn.Module):
-        self.model, self.was_training = model, model.training
-
-    def __enter__(self):
-        self.model.eval()
-
-    def __exit__(self, *exc):
-        self.model.train(self.was_training)
-
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
@@ -64,9 +51,9 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
 def flat_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor):
     """The gradient of ``loss_fn(model(x), y)`` as one flat vector (model in eval mode)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    with _eval_mode(model):
+    with eval_mode(model):
         grads = torch.autograd.grad(loss_fn(model(x), y), params)
-    return torch.cat([g.reshape(-1) for g in grads])
+    return flatten(grads)
 
 
 def per_example_gradients(
@@ -77,8 +64,7 @@ def per_example_gradients(
     ``torch.func.vmap`` over ``grad`` of a one-example loss computes all rows in one
     vectorized pass per chunk, instead of N backward passes.
     """
-    if chunk_size < 1:
-        raise ValueError(f"Invalid chunk_size: {chunk_size} (expected >= 1)")
+    check_int("chunk_size", chunk_size, 1)
     params, buffers = _params(model), dict(model.named_buffers())
 
     def one_loss(p, xi, yi):
@@ -87,7 +73,7 @@ def per_example_gradients(
 
     per_example = vmap(grad(one_loss), in_dims=(None, 0, 0))
     rows = []
-    with _eval_mode(model):
+    with eval_mode(model):
         for i in range(0, x.shape[0], chunk_size):
             g = per_example(params, x[i : i + chunk_size], y[i : i + chunk_size])
             rows.append(torch.cat([t.reshape(t.shape[0], -1) for t in g.values()], dim=1))
@@ -117,6 +103,7 @@ def gradient_noise(
     model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, chunk_size: int = 256
 ) -> GradientNoise:
     """Exact g and tr Σ over the N examples (x, y), one chunk of per-example gradients at a time."""
+    check_int("chunk_size", chunk_size, 1)
     total, total_sq, n = None, 0.0, x.shape[0]
     for i in range(0, n, chunk_size):
         G = per_example_gradients(
@@ -170,11 +157,10 @@ def minibatch_gradient_variance(
     per-example gradients, so measurement and theory are computed independently.
     """
     n = x.shape[0]
-    for b in batch_sizes:
-        if not isinstance(b, int) or not 1 <= b <= n:
-            raise ValueError(f"Invalid batch size: {b!r} (expected an int in [1, {n}])")
-    if samples < 2:
-        raise ValueError(f"Invalid samples: {samples} (expected >= 2 to estimate a mean's error)")
+    batch_sizes = [check_int(f"batch_sizes[{i}]", b, 1, n) for i, b in enumerate(batch_sizes)]
+    check_int("samples", samples, 2)  # two draws at least, for the mean's standard error
+    check_int("seed", seed, 0)
+    check_bool("replacement", replacement)
     noise = noise or gradient_noise(model, loss_fn, x, y)
     g = noise.mean.to(x.device)
     gen = torch.Generator().manual_seed(seed)
@@ -191,6 +177,13 @@ def minibatch_gradient_variance(
             )
         )
     return results
+
+
+def _check_batch_sizes(b_small, b_big, n: int | None = None) -> None:
+    check_int("b_small", b_small, 1, n)
+    check_int("b_big", b_big, 1, n)
+    if b_big <= b_small:
+        raise ValueError(f"Invalid b_big: {b_big!r} (expected an int > b_small = {b_small})")
 
 
 @dataclass(frozen=True)
@@ -224,11 +217,9 @@ def noise_scale_from_norms(
     :math:`B_b` the global batch after the all-reduce. Average each estimate over many
     steps before dividing; the ratio of averages is the paper's recommendation.
     """
-    if not (isinstance(b_small, int) and isinstance(b_big, int) and 1 <= b_small < b_big):
-        raise ValueError(
-            f"Invalid batch sizes: b_small={b_small!r}, b_big={b_big!r} "
-            "(expected ints with 1 <= b_small < b_big)"
-        )
+    _check_batch_sizes(b_small, b_big)
+    check_real("norm_sq_small", norm_sq_small, 0.0)
+    check_real("norm_sq_big", norm_sq_big, 0.0)
     g2 = (b_big * norm_sq_big - b_small * norm_sq_small) / (b_big - b_small)
     trace = (norm_sq_small - norm_sq_big) / (1 / b_small - 1 / b_big)
     return NoiseScaleEstimate(g2, trace, b_small, b_big)
@@ -246,12 +237,9 @@ def estimate_noise_scale(
 ) -> NoiseScaleEstimate:
     """Measure ||g_B||^2 on ``samples`` random batches of each size (with replacement) and
     apply :func:`noise_scale_from_norms` to the averages."""
-    n = x.shape[0]
-    for name, b in (("b_small", b_small), ("b_big", b_big)):
-        if not isinstance(b, int) or not 1 <= b <= n:
-            raise ValueError(f"Invalid {name}: {b!r} (expected an int in [1, {n}])")
-    if samples < 1:
-        raise ValueError(f"Invalid samples: {samples} (expected >= 1)")
+    _check_batch_sizes(b_small, b_big, x.shape[0])
+    check_int("samples", samples, 1)
+    check_int("seed", seed, 0)
     gen = torch.Generator().manual_seed(seed)
     means = []
     for b in (b_small, b_big):
@@ -264,7 +252,7 @@ def steps_and_examples(batch_size, b_noise: float, s_min: float, e_min: float | 
     r"""McCandlish et al.'s trade-off: steps :math:`S = S_{min}(1 + B_{noise}/B)` and examples
     :math:`E = E_{min}(1 + B/B_{noise})` to reach a given loss, with
     :math:`E_{min} = S_{min} B_{noise}` unless given. Works on floats or arrays."""
-    if b_noise <= 0 or s_min <= 0:
-        raise ValueError(f"Invalid b_noise or s_min: {b_noise}, {s_min} (expected > 0)")
-    e_min = s_min * b_noise if e_min is None else e_min
+    check_positive("b_noise", b_noise)
+    check_positive("s_min", s_min)
+    e_min = s_min * b_noise if e_min is None else check_positive("e_min", e_min)
     return s_min * (1 + b_noise / batch_size), e_min * (1 + batch_size / b_noise)

@@ -104,8 +104,14 @@ def plot_histories(
 def loglog_fit(x: Iterable[float], y: Iterable[float]) -> tuple[float, float]:
     """Least-squares line through (log x, log y): returns (slope, intercept) so y ≈ e^b x^a."""
     x, y = np.asarray(list(x), float), np.asarray(list(y), float)
-    ok = x.size >= 2 and x.shape == y.shape and np.all(np.isfinite(x) & np.isfinite(y))
-    if not (ok and np.all(x > 0) and np.all(y > 0)):
-        raise ValueError("loglog_fit needs at least two points with positive, finite x and y")
+    if x.ndim != 1 or x.size < 2:
+        raise ValueError(f"Invalid x: shape {x.shape} (expected at least two numbers in a row)")
+    if y.shape != x.shape:
+        raise ValueError(f"Invalid y: shape {y.shape} (expected the shape of x, {x.shape})")
+    for name, values in (("x", x), ("y", y)):
+        if not np.all(np.isfinite(values) & (values > 0)):
+            raise ValueError(
+                f"Invalid {name}: {values.tolist()} (expected positive, finite numbers)"
+            )
     slope, intercept = np.polyfit(np.log(x), np.log(y), 1)
     return float(slope), float(intercept)

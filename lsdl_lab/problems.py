@@ -25,13 +25,14 @@ style.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from ._util import check_bool, check_int, check_positive, check_real
 
 __all__ = [
     "PROBLEMS",
@@ -69,28 +70,31 @@ class Problem:
         return float(self.f(torch.tensor(self.minimum, dtype=torch.float64)))
 
 
-def _positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"Invalid {name}: {value!r} (expected a positive number)")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"Invalid {name}: {value!r} (expected a finite number > 0)")
-    return float(value)
-
-
-def _finite(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"Invalid {name}: {value!r} (expected a finite number)")
-    if not math.isfinite(value):
-        raise ValueError(f"Invalid {name}: {value!r} (expected a finite number)")
-    return float(value)
-
-
 def _point(name: str, value) -> Point:
+    """A pair of finite numbers (a tuple, a list, an array or a tensor of two)."""
+    if isinstance(value, (Tensor, np.ndarray)):
+        value = value.tolist()
     try:
         x, y = value
-    except (TypeError, ValueError):
-        raise ValueError(f"Invalid {name}: {value!r} (expected a pair of numbers (x, y))") from None
-    return _finite(f"{name}[0]", float(x)), _finite(f"{name}[1]", float(y))
+    except (TypeError, ValueError) as error:
+        raise type(error)(
+            f"Invalid {name}: {value!r} (expected a pair of numbers (x, y))"
+        ) from None
+    return check_real(f"{name}[0]", x), check_real(f"{name}[1]", y)
+
+
+def _check_problem(problem) -> Problem:
+    if not isinstance(problem, Problem):
+        raise TypeError(f"Invalid problem: a {type(problem).__name__} (expected a Problem)")
+    return problem
+
+
+def _check_optimizer(optimizer) -> None:
+    if not callable(optimizer):
+        raise TypeError(
+            f"Invalid optimizer: {optimizer!r} (expected an optimizer class or a function "
+            "that builds one from a parameter list)"
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -105,8 +109,8 @@ def quadratic(condition: float = 10.0, rotation: float = 0.0) -> Problem:
     the eigenvectors by that angle in radians, so that the valley is not aligned with the
     coordinate axes. Gradient descent converges for step sizes below :math:`2/L`.
     """
-    kappa = _positive("condition", condition)
-    theta = _finite("rotation", rotation)
+    kappa = check_positive("condition", condition)
+    theta = check_real("rotation", rotation)
     c, s = math.cos(theta), math.sin(theta)
     # A = R diag(1, kappa) R^T written out, so f works for any dtype and device
     a11, a12, a22 = c * c + kappa * s * s, (1.0 - kappa) * c * s, s * s + kappa * c * c
@@ -132,8 +136,8 @@ def rosenbrock(a: float = 1.0, b: float = 100.0) -> Problem:
     the valley floor, slow to travel along it. At :math:`(1, 1)` with :math:`b = 100` the
     Hessian has condition number about 2,500.
     """
-    a = _finite("a", a)
-    b = _positive("b", b)
+    a = check_real("a", a)
+    b = check_positive("b", b)
     s = max(1.0, abs(a))
 
     def f(w: Tensor) -> Tensor:
@@ -161,7 +165,7 @@ def badly_scaled(scale: float = 100.0) -> Problem:
     problem: :math:`y` spans ``±5/scale``, wide enough to show the first, overshooting
     steps of the adaptive methods.
     """
-    scale = _positive("scale", scale)
+    scale = check_positive("scale", scale)
 
     def f(w: Tensor) -> Tensor:
         x, y = w[..., 0], w[..., 1]
@@ -229,12 +233,9 @@ def trajectory(
     *fewer* than ``steps + 1`` rows, all finite. ``len(path) < steps + 1`` is how a caller
     tells that the optimizer diverged.
     """
-    if not isinstance(problem, Problem):
-        raise TypeError(f"Invalid problem: expected a Problem, got {type(problem).__name__}")
-    if not callable(optimizer):
-        raise TypeError(f"Invalid optimizer: {optimizer!r} (expected an optimizer class)")
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-        raise ValueError(f"Invalid steps: {steps!r} (expected an int >= 1)")
+    _check_problem(problem)
+    _check_optimizer(optimizer)
+    steps = check_int("steps", steps, 1)
     start = _point("start", problem.start if start is None else start)
 
     w = torch.tensor(start, dtype=torch.float64, requires_grad=True)
@@ -246,9 +247,9 @@ def trajectory(
         loss.backward()
         return loss
 
-    path = torch.empty(int(steps) + 1, 2, dtype=torch.float64)
+    path = torch.empty(steps + 1, 2, dtype=torch.float64)
     path[0] = w.detach()
-    for t in range(1, int(steps) + 1):
+    for t in range(1, steps + 1):
         opt.step(closure)
         if not bool(torch.isfinite(w).all()):
             return path[:t].clone()
@@ -277,21 +278,19 @@ def reddi_counterexample(
     Returns the iterates :math:`x_0, \dots, x_T` as a float64 tensor of shape
     ``(steps + 1,)``.
     """
-    C = _positive("C", C)
-    if isinstance(period, bool) or not isinstance(period, numbers.Integral) or period < 2:
-        raise ValueError(f"Invalid period: {period!r} (expected an int >= 2)")
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-        raise ValueError(f"Invalid steps: {steps!r} (expected an int >= 1)")
-    start = _finite("start", start)
-    if not -1.0 <= start <= 1.0:
-        raise ValueError(f"Invalid start: {start!r} (expected a number in [-1, 1])")
+    _check_optimizer(optimizer)
+    steps = check_int("steps", steps, 1)
+    C = check_positive("C", C)
+    period = check_int("period", period, 2)
+    start = check_real("start", start, -1.0, 1.0)
+    check_bool("decay", decay)
 
     x = torch.tensor([start], dtype=torch.float64, requires_grad=True)
     opt = optimizer([x], **hyperparameters)
     base_lrs = [group["lr"] for group in opt.param_groups]
-    path = torch.empty(int(steps) + 1, dtype=torch.float64)
+    path = torch.empty(steps + 1, dtype=torch.float64)
     path[0] = start
-    for t in range(1, int(steps) + 1):
+    for t in range(1, steps + 1):
         if decay:
             for group, lr in zip(opt.param_groups, base_lrs):
                 group["lr"] = lr / math.sqrt(t)
@@ -323,10 +322,8 @@ def plot_problem(problem: Problem, ax=None, levels: int = 30):
     """
     import matplotlib as mpl
 
-    if not isinstance(problem, Problem):
-        raise TypeError(f"Invalid problem: expected a Problem, got {type(problem).__name__}")
-    if isinstance(levels, bool) or not isinstance(levels, numbers.Integral) or levels < 2:
-        raise ValueError(f"Invalid levels: {levels!r} (expected an int >= 2)")
+    _check_problem(problem)
+    levels = check_int("levels", levels, 2)
     ax = _axes(ax)
     (x0, x1), (y0, y1) = problem.bounds
     n = 160
@@ -338,7 +335,7 @@ def plot_problem(problem: Problem, ax=None, levels: int = 30):
     positive = z[z > 0]
     low = max(positive.min(), positive.max() * 1e-6) if positive.size else 1e-8
     high = max(z.max(), low * 10)
-    bounds = np.geomspace(low, high, int(levels))
+    bounds = np.geomspace(low, high, levels)
     z = np.clip(z, low, high)
     # light greys, darker uphill: the coloured paths drawn on top stay readable
     cmap = mpl.colors.LinearSegmentedColormap.from_list("lsdl_contours", ["#ffffff", "#c4c4c4"])
@@ -391,15 +388,19 @@ def plot_trajectories(problem: Problem, trajectories: dict[str, Tensor], ax=None
     """
     from . import plot
 
+    _check_problem(problem)
     if not isinstance(trajectories, dict):
-        raise TypeError("Invalid trajectories: expected a dict {name: (n, 2) tensor}")
+        raise TypeError(
+            f"Invalid trajectories: a {type(trajectories).__name__} "
+            "(expected a dict {name: (n, 2) tensor})"
+        )
     if ax is None:
         ax = plot_problem(problem)
     for i, (name, path) in enumerate(trajectories.items()):
         points = torch.as_tensor(path).detach().double().cpu().numpy()
         if points.ndim != 2 or points.shape[1] != 2 or len(points) == 0:
             raise ValueError(
-                f"Invalid trajectory {name!r}: expected shape (n, 2), got {points.shape}"
+                f"Invalid trajectories[{name!r}]: shape {points.shape} (expected (n, 2), n >= 1)"
             )
         points = _clip(points, problem.bounds)
         color = plot.PALETTE[i % len(plot.PALETTE)]

@@ -29,6 +29,7 @@ import torch
 
 from . import optim
 from . import problems as _problems
+from ._util import check_choice, check_int
 
 __all__ = [
     "default_optimizers",
@@ -147,26 +148,23 @@ def draw(
     """
     problems = default_problems() if problems is None else problems
     optimizers = default_optimizers() if optimizers is None else optimizers
-    if problem_name not in problems:
-        raise ValueError(f"Invalid problem_name: {problem_name!r}; valid: {', '.join(problems)}")
-    if optimizer_name not in optimizers:
-        raise ValueError(
-            f"Invalid optimizer_name: {optimizer_name!r}; valid: {', '.join(optimizers)}"
-        )
+    check_choice("problem_name", problem_name, list(problems))
+    check_choice("optimizer_name", optimizer_name, list(optimizers))
+    steps = check_int("steps", steps, 1)
     problem, optimizer = problems[problem_name], optimizers[optimizer_name]
     kwargs = optimizer_arguments(optimizer, lr, momentum, beta1, beta2)
-    path = _problems.trajectory(problem, optimizer, int(steps), **kwargs)
+    path = _problems.trajectory(problem, optimizer, steps, **kwargs)
 
     _problems.plot_problem(problem, ax)
     shown = ", ".join(
         f"{k}={v[0]:g}/{v[1]:g}" if k == "betas" else f"{k}={v:.3g}" for k, v in kwargs.items()
     )
     _problems.plot_trajectories(problem, {f"{optimizer_name} ({shown})": path}, ax)
-    if len(path) < int(steps) + 1:
+    if len(path) < steps + 1:
         outcome = f"diverged at step {len(path)}"
     else:
         gap = float(problem.f(path[-1])) - problem.f_min
-        outcome = f"after {int(steps)} steps: f − f* = {gap:.3g}"
+        outcome = f"after {steps} steps: f − f* = {gap:.3g}"
     ax.set_title(f"{problem.name}\n{outcome}", fontsize=10)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False, fontsize=8)
     return path
@@ -196,8 +194,9 @@ def optimizer_explorer(problems: dict | None = None, optimizers: dict | None = N
 
     problems_ = default_problems() if problems is None else dict(problems)
     optimizers = default_optimizers() if optimizers is None else dict(optimizers)
-    if not problems_ or not optimizers:
-        raise ValueError("optimizer_explorer needs at least one problem and one optimizer")
+    for name, choices in (("problems", problems_), ("optimizers", optimizers)):
+        if not choices:
+            raise ValueError(f"Invalid {name}: empty (expected at least one)")
 
     style = {"description_width": "110px"}
     layout = widgets.Layout(width="420px")

@@ -1,4 +1,5 @@
-"""Small models with known Hessians and a tiny CNN, shared by the Hessian and landscape tests."""
+"""Small models with known Hessians, a tiny MLP and a tiny CNN, shared by the curvature and
+landscape tests."""
 
 import torch
 from torch import nn
@@ -44,3 +45,27 @@ def cnn(seed=0, dtype=torch.float64, device="cpu"):
         for _ in range(3):
             model(1.5 * x + 0.3)
     return model.to(device), x.to(device), y.to(device)
+
+
+def scaled_loss(out, y):
+    """A "loss" that scales the model's output (a Quadratic's L) by the batch's mean label."""
+    return y.mean() * out
+
+
+def quadratic_operator(A: torch.Tensor, method: str = "double_backward"):
+    """The HessianOperator of a Quadratic with matrix A (its Hessian is A), from a random x."""
+    from lsdl_lab.curvature import HessianOperator
+
+    batch = (torch.zeros(1), torch.ones(1, dtype=A.dtype))
+    model = Quadratic(A, torch.randn(len(A), dtype=A.dtype))
+    return HessianOperator(model, scaled_loss, [batch], method=method)
+
+
+def mlp(seed=0, dtype=torch.float64):
+    """A 6-8-3 tanh MLP (83 parameters) with 40 examples of 3 classes."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(40, 6, generator=gen, dtype=dtype)
+    y = torch.randint(3, (40,), generator=gen)
+    return model, x, y

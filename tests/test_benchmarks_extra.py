@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
@@ -19,7 +17,6 @@ from benchmarks import __main__ as run_all  # noqa: E402
 from benchmarks import bandwidth, optimizers, project_cost  # noqa: E402
 from benchmarks import hessian as hessian_bench  # noqa: E402
 from benchmarks.timing import device_timer, load_average, machine_lines  # noqa: E402
-from lsdl_lab import hessian as hs  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`torch.jit.script` is deprecated:DeprecationWarning"  # inside torch.func.jvp
@@ -238,7 +235,7 @@ def test_cheap_probes_get_more_pairs_up_to_the_cap():
     clock = iter(range(10_000))  # each reading 1 s later: a round of two calls "takes" 1 s
     fns = {who: fn(who) for who in calls}
     row = hessian_bench.Row("probe")
-    counts = {"lsdl_lab": [0], "PyHessian": [0]}
+    counts = {"lsdl_lab": lambda: 0, "PyHessian": lambda: 0}
     hessian_bench.timed(row, fns, counts, 3, lambda: next(clock), 6.0)
     # one untimed round, then 6 pairs
     assert row.pairs == 6 and calls == {"lsdl_lab": 7, "PyHessian": 7}
@@ -248,34 +245,6 @@ def test_cheap_probes_get_more_pairs_up_to_the_cap():
     row = hessian_bench.Row("probe")
     hessian_bench.timed(row, fns, counts, 3, lambda: next(clock), 0.5)
     assert row.pairs == 3  # never fewer than asked
-
-
-# The speed change in lsdl_lab.hessian (eval-mode BatchNorm as an explicit affine map) must
-# keep the operator equal to the exact Hessian for every kind of BatchNorm, and leave no hook.
-@pytest.mark.parametrize(
-    "layers,shape",
-    [
-        (lambda: [nn.Linear(5, 6), nn.BatchNorm1d(6, affine=False)], (20, 5)),
-        (lambda: [nn.Linear(5, 6), nn.BatchNorm1d(6, track_running_stats=False)], (20, 5)),
-        (lambda: [nn.Conv1d(2, 6, 3), nn.BatchNorm1d(6), nn.Flatten()], (20, 2, 3)),
-        (lambda: [nn.Conv3d(1, 6, 2), nn.BatchNorm3d(6), nn.Flatten()], (20, 1, 2, 2, 2)),
-    ],
-    ids=["no-affine", "batch-statistics", "bn1d-on-sequences", "bn3d"],
-)
-def test_affine_batchnorm_keeps_the_exact_hessian(layers, shape):
-    torch.manual_seed(0)
-    model = nn.Sequential(*layers(), nn.Tanh(), nn.Linear(6, 3)).double()
-    x, y = torch.randn(shape, dtype=torch.float64), torch.randint(3, (shape[0],))
-    with torch.no_grad():
-        for _ in range(3):
-            model(1.3 * x + 0.2)  # running statistics that differ from the batch's
-    exact = hs.hessian_matrix(model, F.cross_entropy, [(x, y)])
-    v = torch.randn(len(exact), dtype=torch.float64)
-    for method in ("double_backward", "forward_over_reverse"):
-        H = hs.HessianOperator(model, F.cross_entropy, [(x, y)], method=method)
-        torch.testing.assert_close(H @ v, exact @ v)
-    assert not any(m._forward_hooks for m in model.modules())
-    assert model.training
 
 
 # --- the project-cost script (no notebook is run) -------------------------------------------

@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lsdl_lab import hessian as hs
+from lsdl_lab import curvature
 from lsdl_lab import landscape as ls
 from lsdl_lab.models import MLP
+from lsdl_lab.train import accuracy
 
 matplotlib.use("Agg")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -135,14 +136,31 @@ def test_epsilon_sharpness_grows_with_the_box():
         (dict(epsilon=-1e-3), "Invalid epsilon"),
         (dict(epsilon=math.nan), "Invalid epsilon"),
         (dict(steps=0), "Invalid steps"),
-        (dict(steps=2.5), "Invalid steps"),
         (dict(method="adam"), "Invalid method"),
         (dict(step_size=0.0), "Invalid step_size"),
+        (dict(seed=-1), "Invalid seed"),
     ],
 )
-def test_epsilon_sharpness_bad_arguments(kwargs, match):
+def test_epsilon_sharpness_bad_values(kwargs, match):
     model, x, y = cnn()
     with pytest.raises(ValueError, match=match):
+        ls.epsilon_sharpness(model, F.cross_entropy, (x, y), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(epsilon="0.01"), "Invalid epsilon"),
+        (dict(epsilon=True), "Invalid epsilon"),
+        (dict(steps=2.5), "Invalid steps"),
+        (dict(step_size=None, steps=None), "Invalid steps"),
+        (dict(step_size="big"), "Invalid step_size"),
+        (dict(seed=0.5), "Invalid seed"),
+    ],
+)
+def test_epsilon_sharpness_bad_types(kwargs, match):
+    model, x, y = cnn()
+    with pytest.raises(TypeError, match=match):
         ls.epsilon_sharpness(model, F.cross_entropy, (x, y), **kwargs)
 
 
@@ -210,6 +228,10 @@ def test_random_direction_options():
             assert torch.equal(dc, d0) and not torch.equal(d0, d1)
     with pytest.raises(ValueError, match="Invalid ignore"):
         ls.random_direction(net, ignore="bn")
+    with pytest.raises(TypeError, match="Invalid filter_normalize"):
+        ls.random_direction(net, filter_normalize=1)
+    with pytest.raises(TypeError, match="Invalid seed"):
+        ls.random_direction(net, seed=1.0)
 
 
 # -- slices -----------------------------------------------------------------------------------
@@ -269,7 +291,7 @@ def test_interpolation_end_points_reproduce_each_model_with_batchnorm():
     model_b, _, _ = cnn(seed=5)
     before_a, before_b = snapshot(model_a), snapshot(model_b)
     result = ls.interpolate(
-        model_a, model_b, F.cross_entropy, (x, y), [0.0, 0.5, 1.0, 1.5, -0.5], metric=ls.accuracy
+        model_a, model_b, F.cross_entropy, (x, y), [0.0, 0.5, 1.0, 1.5, -0.5], metric=accuracy
     )
     assert result.losses[0] == ls.loss_at(model_a, F.cross_entropy, (x, y))
     assert result.losses[2] == ls.loss_at(model_b, F.cross_entropy, (x, y))
@@ -323,8 +345,8 @@ def test_interpolation_of_a_quadratic_follows_the_segment():
 
 
 def top_eigenvalue(model, x, y, params=None):
-    H = hs.HessianOperator(model, F.cross_entropy, [(x, y)], params=params)
-    return hs.top_eigenvalues(H, k=1, iters=300, tol=1e-9)[0][0]
+    H = curvature.HessianOperator(model, F.cross_entropy, [(x, y)], params=params)
+    return curvature.top_eigenvalues(H, k=1, iters=300, tol=1e-9)[0][0]
 
 
 @pytest.mark.parametrize("alpha", [5.0, 0.2])
@@ -354,8 +376,14 @@ def test_rescaling_needs_a_positive_alpha(alpha):
     model = MLP(8, 3, hidden=4, depth=1)
     with pytest.raises(ValueError, match="Invalid alpha"):
         ls.rescale_relu_layers(model, "net.1", "net.3", alpha)
-    with pytest.raises(ValueError, match="Invalid layer"):
+    with pytest.raises(ValueError, match="Invalid first: 'net.2' .*with a weight"):
         ls.rescale_relu_layers(model, "net.2", "net.3", 2.0)  # a ReLU has no weight
+    with pytest.raises(ValueError, match="Invalid second: 'net.9' .*submodule"):
+        ls.rescale_relu_layers(model, "net.1", "net.9", 2.0)
+    with pytest.raises(TypeError, match="Invalid first: a int"):
+        ls.rescale_relu_layers(model, 1, "net.3", 2.0)
+    with pytest.raises(TypeError, match="Invalid alpha"):
+        ls.rescale_relu_layers(model, "net.1", "net.3", "2")
 
 
 # -- plots ------------------------------------------------------------------------------------

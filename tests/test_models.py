@@ -1,9 +1,18 @@
+"""Tests of lsdl_lab.models: the MLP, the CIFAR ResNet (He et al., 2016), the GPT, ghost
+batch normalization (Hoffer et al., 2017) and the clear errors of each."""
+
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from lsdl_lab import models, scale
+from lsdl_lab.models import MLP, GhostBatchNorm2d, ResNet, ghost_batch_norm
+
+EXACT = dict(rtol=0.0, atol=0.0)
 
 
 @pytest.mark.parametrize("hw,channels", [(8, 1), (28, 1), (32, 3)])
@@ -25,10 +34,26 @@ def test_resnet_depth_sets_block_count():
         assert len(m.blocks) == 3 * n
 
 
-@pytest.mark.parametrize("depth", [7, 10, 2, "20"])
+@pytest.mark.parametrize("depth", [7, 10, 2, -4])
 def test_resnet_bad_depth(depth):
-    with pytest.raises(ValueError, match="Invalid depth"):
+    with pytest.raises(ValueError, match=r"Invalid depth: .* \(expected 6n \+ 2"):
         models.ResNet(depth=depth)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,name",
+    [
+        (dict(depth="20"), TypeError, "depth"),
+        (dict(depth=20.0), TypeError, "depth"),
+        (dict(width=0), ValueError, "width"),
+        (dict(width=True), TypeError, "width"),
+        (dict(num_classes=1), ValueError, "num_classes"),
+        (dict(in_channels=None), TypeError, "in_channels"),
+    ],
+)
+def test_resnet_bad_arguments(kwargs, error, name):
+    with pytest.raises(error, match=f"Invalid {name}:"):
+        models.ResNet(**kwargs)
 
 
 def test_resnet_rejects_too_small_input():
@@ -43,10 +68,19 @@ def test_mlp_counts_and_shapes():
     assert models.MLP(4, 3, depth=0).num_parameters() == 4 * 3 + 3
 
 
-@pytest.mark.parametrize("kwargs", [{"hidden": 0}, {"depth": -1}, {"in_features": 2.5}])
-def test_mlp_bad_arguments(kwargs):
+@pytest.mark.parametrize(
+    "kwargs,error,name",
+    [
+        ({"hidden": 0}, ValueError, "hidden"),
+        ({"depth": -1}, ValueError, "depth"),
+        ({"num_classes": 0}, ValueError, "num_classes"),
+        ({"in_features": 2.5}, TypeError, "in_features"),
+        ({"depth": "2"}, TypeError, "depth"),
+    ],
+)
+def test_mlp_bad_arguments(kwargs, error, name):
     args = {"in_features": 4, "num_classes": 3, **kwargs}
-    with pytest.raises(ValueError, match="Invalid"):
+    with pytest.raises(error, match=f"Invalid {name}:"):
         models.MLP(**args)
 
 
@@ -78,10 +112,16 @@ def test_gpt_rejects_long_sequences_and_bad_heads():
     m = models.GPT(vocab_size=7, block_size=4, layers=1, heads=2, dim=8)
     with pytest.raises(ValueError, match="block_size=4"):
         m(torch.zeros(1, 5, dtype=torch.long))
-    with pytest.raises(ValueError, match="Invalid heads"):
+    with pytest.raises(ValueError, match="Invalid heads: 3 .*divisor of dim = 8"):
         models.GPT(vocab_size=7, heads=3, dim=8)
     with pytest.raises(ValueError, match="Invalid dropout"):
         models.GPT(vocab_size=7, dropout=1.0)
+    with pytest.raises(TypeError, match="Invalid dropout"):
+        models.GPT(vocab_size=7, dropout="0.1")
+    with pytest.raises(TypeError, match="Invalid layers"):
+        models.GPT(vocab_size=7, layers=2.0)
+    with pytest.raises(ValueError, match="Invalid vocab_size"):
+        models.GPT(vocab_size=0)
 
 
 def test_generate_is_seeded():
@@ -90,6 +130,10 @@ def test_generate_is_seeded():
     a = m.generate(start, 10, generator=torch.Generator().manual_seed(1))
     b = m.generate(start, 10, generator=torch.Generator().manual_seed(1))
     assert a.shape == (1, 11) and torch.equal(a, b)
+    with pytest.raises(ValueError, match="Invalid temperature"):
+        m.generate(start, 3, temperature=0.0)
+    with pytest.raises(TypeError, match="Invalid new_tokens"):
+        m.generate(start, 3.0)
 
 
 def test_models_for_profiles_grow():
@@ -100,3 +144,97 @@ def test_models_for_profiles_grow():
     assert sizes == sorted(sizes)
     gpts = [models.gpt_for(scale.PROFILES[n], 65).num_parameters() for n in ("smoke", "cpu", "gpu")]
     assert gpts == sorted(gpts) and gpts[-1] > 10e6  # the gpu GPT is nanoGPT's char model size
+
+
+# -- ghost batch normalization (Hoffer et al., 2017) ------------------------------------------
+
+
+def bn_pair(ghost_batch_size, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    bn = nn.BatchNorm2d(3, **kwargs).double()
+    with torch.no_grad():
+        if bn.affine:
+            bn.weight.uniform_(0.5, 2.0)
+            bn.bias.uniform_(-1.0, 1.0)
+    ghost = GhostBatchNorm2d(3, ghost_batch_size, **kwargs).double()
+    ghost.load_state_dict(bn.state_dict())
+    return bn, ghost
+
+
+def images(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return 2 * torch.randn(n, 3, 4, 4, generator=gen, dtype=torch.float64) + 1
+
+
+def assert_same_state(a, b):
+    for (k, u), v in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize("ghost_batch_size", [16, 100])
+def test_ghost_batch_holding_the_whole_batch_is_batchnorm(ghost_batch_size):
+    bn, ghost = bn_pair(ghost_batch_size)
+    x = images(16)
+    torch.testing.assert_close(ghost(x), bn(x), **EXACT)
+    assert_same_state(ghost, bn)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(2, 40),
+    ghost_batch_size=st.integers(2, 12),
+    momentum=st.sampled_from([0.1, 0.5, None]),
+)
+def test_each_ghost_batch_is_normalized_with_its_own_statistics(n, ghost_batch_size, momentum):
+    # x.split(ghost_batch_size): when n is not a multiple, the last ghost batch is smaller.
+    bn, ghost = bn_pair(ghost_batch_size, momentum=momentum)
+    x = images(n)
+    chunks = x.split(ghost_batch_size)
+    expected = torch.cat([bn(c) for c in chunks])  # running statistics: one update a chunk
+    torch.testing.assert_close(ghost(x), expected, rtol=1e-12, atol=1e-12)
+    assert_same_state(ghost, bn)
+    assert ghost.num_batches_tracked.item() == len(chunks)
+
+
+def test_ghost_batch_norm_differs_from_batchnorm_and_matches_it_in_eval():
+    bn, ghost = bn_pair(4)
+    x = images(16)
+    assert not torch.allclose(ghost(x), bn(x))  # four ghost batches, not one batch
+    ghost.load_state_dict(bn.state_dict())  # their running statistics moved differently
+    bn.eval(), ghost.eval()
+    torch.testing.assert_close(ghost(x), bn(x), **EXACT)
+
+
+def test_ghost_batch_norm_replaces_every_batchnorm_in_place():
+    torch.manual_seed(0)
+    model = ResNet(depth=8, width=4, num_classes=10, in_channels=1)
+    x = torch.randn(8, 1, 8, 8)
+    model(x)  # training mode: running statistics move away from their initial values
+    model.eval()
+    reference = copy.deepcopy(model)
+    assert ghost_batch_norm(model, 2) is model
+    kinds = [type(m) for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert len(kinds) == 9 and set(kinds) == {GhostBatchNorm2d}  # stem, 3 x 2, 2 shortcuts
+    assert not model.training and "ghost_batch_size=2" in repr(model.stem[1])
+    torch.testing.assert_close(model(x), reference(x), **EXACT)  # same parameters and buffers
+    model.train()
+    assert model(x).shape == (8, 10)
+    assert ghost_batch_norm(model, 4).stem[1].ghost_batch_size == 4
+    single = ghost_batch_norm(nn.BatchNorm2d(3), 2)
+    assert isinstance(single, GhostBatchNorm2d)
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_ghost_batch_size_must_be_positive(bad):
+    with pytest.raises(ValueError, match="Invalid ghost_batch_size"):
+        GhostBatchNorm2d(3, bad)
+    with pytest.raises(ValueError, match="Invalid ghost_batch_size"):
+        ghost_batch_norm(MLP(4, 2), bad)
+
+
+@pytest.mark.parametrize("bad", [2.0, True, None, "4"])
+def test_ghost_batch_size_must_be_an_int(bad):
+    with pytest.raises(TypeError, match="Invalid ghost_batch_size"):
+        GhostBatchNorm2d(3, bad)
+    with pytest.raises(TypeError, match="Invalid ghost_batch_size"):
+        ghost_batch_norm(MLP(4, 2), bad)

@@ -81,19 +81,62 @@ def test_measurement_uses_eval_mode_and_restores_it():
     )
 
 
-@pytest.mark.parametrize("sizes", [[0], [121], [2.0]])
+def test_a_submodule_frozen_in_eval_mode_stays_in_eval_mode():
+    """Every function restores each submodule's own mode, not just the top module's."""
+    torch.manual_seed(0)
+    model = models.ResNet(8, 4, 3, 1).train()
+    model.stem.eval()  # a frozen stem: its BatchNorm must keep its running statistics
+    _, x, y = classification_problem(n=16)
+    modes = {name: m.training for name, m in model.named_modules()}
+    noise.flat_gradient(model, F.cross_entropy, x, y)
+    noise.per_example_gradients(model, F.cross_entropy, x[:4], y[:4])
+    noise.gradient_noise(model, F.cross_entropy, x[:4], y[:4])
+    noise.minibatch_gradient_variance(model, F.cross_entropy, x, y, [2], samples=2)
+    noise.estimate_noise_scale(model, F.cross_entropy, x, y, 2, 4, samples=2)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    assert not model.stem[1].training and model.blocks[0].bn1.training
+
+
+def test_the_mode_is_restored_when_the_loss_raises():
+    model, x, y = classification_problem()
+    model.train()
+
+    def failing(out, target):
+        raise RuntimeError("a broken loss")
+
+    with pytest.raises(RuntimeError, match="a broken loss"):
+        noise.flat_gradient(model, failing, x, y)
+    assert model.training
+
+
+@pytest.mark.parametrize("sizes", [[0], [121], [4, 200]])
 def test_bad_batch_sizes(sizes):
     model, x, y = classification_problem()
-    with pytest.raises(ValueError, match=r"Invalid batch size.*\[1, 120\]"):
+    with pytest.raises(ValueError, match=r"Invalid batch_sizes\[\d\]: .*\[1, 120\]"):
         noise.minibatch_gradient_variance(model, F.cross_entropy, x, y, sizes)
 
 
-def test_bad_samples_and_chunk():
+@pytest.mark.parametrize("sizes", [[2.0], [4, "8"], [True]])
+def test_batch_sizes_of_the_wrong_type(sizes):
+    model, x, y = classification_problem()
+    with pytest.raises(TypeError, match=r"Invalid batch_sizes\[\d\]"):
+        noise.minibatch_gradient_variance(model, F.cross_entropy, x, y, sizes)
+
+
+def test_bad_samples_chunk_seed_and_replacement():
     model, x, y = classification_problem()
     with pytest.raises(ValueError, match="Invalid samples"):
         noise.minibatch_gradient_variance(model, F.cross_entropy, x, y, [2], samples=1)
+    with pytest.raises(TypeError, match="Invalid samples"):
+        noise.minibatch_gradient_variance(model, F.cross_entropy, x, y, [2], samples=8.0)
+    with pytest.raises(TypeError, match="Invalid replacement"):
+        noise.minibatch_gradient_variance(model, F.cross_entropy, x, y, [2], replacement=0)
+    with pytest.raises(TypeError, match="Invalid seed"):
+        noise.estimate_noise_scale(model, F.cross_entropy, x, y, 2, 4, seed="1")
     with pytest.raises(ValueError, match="Invalid chunk_size"):
         noise.per_example_gradients(model, F.cross_entropy, x, y, chunk_size=0)
+    with pytest.raises(TypeError, match="Invalid chunk_size"):
+        noise.gradient_noise(model, F.cross_entropy, x, y, chunk_size=16.0)
 
 
 def test_noise_scale_from_norms_is_exact_on_expected_norms():
@@ -126,7 +169,45 @@ def test_steps_and_examples_trade_off():
     assert (s, e) == (200.0, 2000.0)  # at B = B_noise: twice the minimal steps and examples
 
 
-@pytest.mark.parametrize("b_small,b_big", [(0, 4), (4, 4), (8, 4), (2.0, 4)])
-def test_bad_noise_scale_batches(b_small, b_big):
-    with pytest.raises(ValueError, match="Invalid batch sizes"):
+@pytest.mark.parametrize(
+    "b_small,b_big,name", [(0, 4, "b_small"), (4, 4, "b_big"), (8, 4, "b_big"), (2, 0, "b_big")]
+)
+def test_bad_noise_scale_batches(b_small, b_big, name):
+    with pytest.raises(ValueError, match=f"Invalid {name}:"):
         noise.noise_scale_from_norms(1.0, 0.5, b_small, b_big)
+
+
+@pytest.mark.parametrize(
+    "args,error,name",
+    [
+        ((1.0, 0.5, 2.0, 4), TypeError, "b_small"),
+        ((1.0, 0.5, 2, "4"), TypeError, "b_big"),
+        (("1", 0.5, 2, 4), TypeError, "norm_sq_small"),
+        ((1.0, -0.5, 2, 4), ValueError, "norm_sq_big"),
+    ],
+)
+def test_noise_scale_arguments_are_checked(args, error, name):
+    with pytest.raises(error, match=f"Invalid {name}:"):
+        noise.noise_scale_from_norms(*args)
+
+
+def test_two_batch_estimate_checks_its_batch_sizes_against_the_data():
+    model, x, y = classification_problem()
+    with pytest.raises(ValueError, match=r"Invalid b_big: 121 \(expected an int in \[1, 120\]\)"):
+        noise.estimate_noise_scale(model, F.cross_entropy, x, y, 2, 121)
+    with pytest.raises(ValueError, match="Invalid b_big: 2 .*> b_small = 8"):
+        noise.estimate_noise_scale(model, F.cross_entropy, x, y, 8, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,name",
+    [
+        (dict(b_noise=0.0, s_min=1.0), ValueError, "b_noise"),
+        (dict(b_noise=1.0, s_min=-1.0), ValueError, "s_min"),
+        (dict(b_noise=1.0, s_min=1.0, e_min=0.0), ValueError, "e_min"),
+        (dict(b_noise="10", s_min=1.0), TypeError, "b_noise"),
+    ],
+)
+def test_steps_and_examples_arguments_are_checked(kwargs, error, name):
+    with pytest.raises(error, match=f"Invalid {name}:"):
+        noise.steps_and_examples(10.0, **kwargs)

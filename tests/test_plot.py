@@ -20,9 +20,18 @@ def test_loglog_fit_recovers_power_laws(a, b):
     assert slope == pytest.approx(a, abs=1e-9) and intercept == pytest.approx(b, abs=1e-9)
 
 
-@pytest.mark.parametrize("x,y", [([1], [1]), ([1, 2], [0, 1]), ([-1, 2], [1, 1])])
-def test_loglog_fit_rejects_bad_points(x, y):
-    with pytest.raises(ValueError, match="positive"):
+@pytest.mark.parametrize(
+    "x,y,match",
+    [
+        ([1], [1], r"Invalid x: shape \(1,\) \(expected at least two"),
+        ([1, 2], [1, 2, 3], r"Invalid y: shape \(3,\) \(expected the shape of x"),
+        ([1, 2], [0, 1], r"Invalid y: \[0.0, 1.0\] \(expected positive, finite"),
+        ([-1, 2], [1, 1], r"Invalid x: \[-1.0, 2.0\] \(expected positive, finite"),
+        ([1, np.inf], [1, 1], "Invalid x:"),
+    ],
+)
+def test_loglog_fit_rejects_bad_points_naming_the_argument(x, y, match):
+    with pytest.raises(ValueError, match=match):
         plot.loglog_fit(x, y)
 
 

@@ -5,6 +5,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
@@ -133,23 +134,60 @@ def test_reddi_counterexample_adam_goes_to_the_wrong_end_amsgrad_does_not():
         (lambda: problems.rosenbrock(b=0.0), "b"),
         (lambda: problems.badly_scaled(0.0), "scale"),
         (lambda: problems.trajectory(problems.saddle(), optim.SGD, 0, lr=0.1), "steps"),
-        (lambda: problems.trajectory(problems.saddle(), optim.SGD, 1.5, lr=0.1), "steps"),
         (lambda: problems.trajectory(problems.saddle(), optim.SGD, 2, start=(1,), lr=0.1), "start"),
+        (
+            lambda: problems.trajectory(problems.saddle(), optim.SGD, 2, start=(1, 2, 3), lr=0.1),
+            "start",
+        ),
+        (
+            lambda: problems.trajectory(problems.saddle(), optim.SGD, 2, start=(0, math.inf)),
+            r"start\[1\]",
+        ),
         (lambda: problems.reddi_counterexample(optim.Adam, 10, period=1), "period"),
         (lambda: problems.reddi_counterexample(optim.Adam, 10, start=2.0), "start"),
+        (lambda: problems.reddi_counterexample(optim.Adam, 0), "steps"),
         (lambda: problems.plot_problem(problems.saddle(), levels=1), "levels"),
+        (
+            lambda: problems.plot_trajectories(problems.saddle(), {"x": torch.zeros(3)}),
+            r"trajectories\['x'\]",
+        ),
     ],
 )
-def test_bad_arguments_raise_clear_value_errors(call, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_values_raise_value_errors_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match="Invalid " + match):
         call()
 
 
-def test_bad_types_raise_type_errors():
-    with pytest.raises(TypeError, match="condition"):
-        problems.quadratic("10")
-    with pytest.raises(TypeError, match="problem"):
-        problems.trajectory("rosenbrock", optim.SGD, 3, lr=0.1)
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: problems.quadratic("10"), "condition"),
+        (lambda: problems.rosenbrock(a=None), "a"),
+        (lambda: problems.trajectory("rosenbrock", optim.SGD, 3, lr=0.1), "problem"),
+        (lambda: problems.trajectory(problems.saddle(), "SGD", 3), "optimizer"),
+        (lambda: problems.trajectory(problems.saddle(), optim.SGD, 1.5, lr=0.1), "steps"),
+        (lambda: problems.trajectory(problems.saddle(), optim.SGD, 2, start=1.0), "start"),
+        (lambda: problems.trajectory(problems.saddle(), optim.SGD, 2, start=("0", 1)), "start"),
+        (lambda: problems.reddi_counterexample(optim.Adam, 10, period=3.0), "period"),
+        (lambda: problems.reddi_counterexample(optim.Adam, 10, decay=1), "decay"),
+        (lambda: problems.plot_problem(problems.saddle(), levels=10.0), "levels"),
+        (lambda: problems.plot_problem("saddle"), "problem"),
+        (
+            lambda: problems.plot_trajectories(problems.saddle(), [torch.zeros(3, 2)]),
+            "trajectories",
+        ),
+    ],
+)
+def test_bad_types_raise_type_errors_naming_the_argument(call, match):
+    with pytest.raises(TypeError, match="Invalid " + match):
+        call()
+
+
+def test_a_start_may_be_any_pair_of_numbers():
+    problem = problems.saddle()
+    for start in ((1, -1), [1.0, -1.0], torch.tensor([1.0, -1.0]), np.array([1.0, -1.0])):
+        path = problems.trajectory(problem, optim.SGD, 1, start=start, lr=0.1)
+        assert path[0].tolist() == [1.0, -1.0]
 
 
 def test_plots_return_axes_with_paths_clipped_to_the_window():

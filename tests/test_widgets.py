@@ -105,11 +105,15 @@ def test_draw_same_as_trajectory():
     assert torch.equal(got, expected)
 
 
-def test_draw_bad_names():
-    with pytest.raises(ValueError, match="problem_name"):
+def test_draw_bad_names_and_steps():
+    with pytest.raises(ValueError, match="Invalid problem_name: 'nope' .*'quadratic'"):
         widgets.draw("nope", "SGD", 0.1, 0.0, 0.9, 0.999, 10, new_axes())
-    with pytest.raises(ValueError, match="optimizer_name"):
+    with pytest.raises(ValueError, match="Invalid optimizer_name: 'nope' .*'Adam'"):
         widgets.draw("quadratic", "nope", 0.1, 0.0, 0.9, 0.999, 10, new_axes())
+    with pytest.raises(ValueError, match="Invalid steps: 0"):
+        widgets.draw("quadratic", "SGD", 0.1, 0.0, 0.9, 0.999, 0, new_axes())
+    with pytest.raises(TypeError, match="Invalid steps: 10.5"):
+        widgets.draw("quadratic", "SGD", 0.1, 0.0, 0.9, 0.999, 10.5, new_axes())
 
 
 def test_draw_with_own_problems_and_optimizers():
@@ -194,5 +198,7 @@ def test_explorer_with_own_choices():
     )
     assert controls(box)["problem"].options == ("bowl",)
     assert box.redraws == 1
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(ValueError, match="Invalid problems: empty"):
         widgets.optimizer_explorer(problems={})
+    with pytest.raises(ValueError, match="Invalid optimizers: empty"):
+        widgets.optimizer_explorer(optimizers={})
