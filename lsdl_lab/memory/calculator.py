@@ -22,14 +22,23 @@ a heads, trained on micro-batches of b sequences of s tokens over a vocabulary o
   (eq. 3); sequence parallelism splits the rest too, ``sbh/t (34 + 5as/h)`` (eq. 4).
   *Selective* recomputation drops the as² terms (eq. 6, ``34sbh``), *full* recomputation
   keeps only each layer's input, p·sbh (2sbh in the paper). Outside the layers (Section
-  4.3): the embedding's dropout mask sbh, the final LayerNorm's and the output layer's
-  inputs 2p·sbh, and float32 logits for the cross-entropy, 4sbv (split over t).
+  4.3, as we read it: the per-layer equations above are checked against the paper's
+  numbers in the tests, these terms only against measurement): the embedding's dropout
+  mask sbh, the final LayerNorm's and the output layer's inputs 2p·sbh, and float32
+  logits for the cross-entropy, 4sbv (split over t).
 
 Two switches describe the book's own GPT: ``dropout=False`` (no masks when dropout is 0)
 and ``attention="fused"``: ``scaled_dot_product_attention``'s fused kernels
 (FlashAttention, Dao et al. 2022) keep no s x s scores; they keep the output (the same
 storage as the projection's input here) and a float32 log-sum-exp per query and head,
 4abs bytes, and recompute the scores in the backward pass.
+
+What the formula leaves out, measured on the book's GPT by the tests (SavedTensorBytes):
+LayerNorm's float32 mean and 1/std per token, the int64 token, position and target
+indices; and under ``torch.autocast`` with float32 master weights (not Megatron-LM's
+16-bit weights), a float32 residual stream at each LayerNorm (4 bytes per element, not
+2) and a 16-bit copy of every matrix weight, cast by autocast and kept for the backward
+pass: 2 bytes per matrix parameter that the formula does not count.
 """
 
 from __future__ import annotations
