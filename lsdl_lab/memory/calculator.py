@@ -22,10 +22,10 @@ a heads, trained on micro-batches of b sequences of s tokens over a vocabulary o
   (eq. 3); sequence parallelism splits the rest too, ``sbh/t (34 + 5as/h)`` (eq. 4).
   *Selective* recomputation drops the as² terms (eq. 6, ``34sbh``), *full* recomputation
   keeps only each layer's input, p·sbh (2sbh in the paper). Outside the layers (Section
-  4.3, as we read it: the per-layer equations above are checked against the paper's
-  numbers in the tests, these terms only against measurement): the embedding's dropout
-  mask sbh, the final LayerNorm's and the output layer's inputs 2p·sbh, and float32
-  logits for the cross-entropy, 4sbv (split over t).
+  4.3, as we read it; the tests hold these terms against measurement, the per-layer ones
+  against equations 2-6): the embedding's dropout mask sbh, the final LayerNorm's and
+  the output layer's inputs 2p·sbh, and float32 logits for the cross-entropy, 4sbv
+  (split over t).
 
 Two switches describe the book's own GPT: ``dropout=False`` (no masks when dropout is 0)
 and ``attention="fused"``: ``scaled_dot_product_attention``'s fused kernels
