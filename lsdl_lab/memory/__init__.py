@@ -21,11 +21,12 @@ from .checkpoint import (
     theoretical_peak,
 )
 from .measure import SavedTensorBytes, format_bytes, format_table, measure, measure_by_dtype
-from .precision import LossScaler, bf16_range_vs_precision, fp16_underflow
+from .precision import LossScaler, amp_step, bf16_range_vs_precision, fp16_underflow
 from .zero import zero_bytes
 
 __all__ = [
     "activation_bytes",
+    "amp_step",
     "bf16_range_vs_precision",
     "checkpoint_sequential",
     "format_bytes",

@@ -24,9 +24,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from .._util import check_int, check_positive, check_real, generator
+from .._util import check_choice, check_int, check_positive, check_real, device_of, generator
 
-__all__ = ["LossScaler", "bf16_range_vs_precision", "fp16_underflow"]
+__all__ = ["LossScaler", "amp_step", "bf16_range_vs_precision", "fp16_underflow"]
 
 
 def _float32(x: float) -> float:
@@ -180,6 +180,42 @@ class LossScaler:
         self.growth_interval = int(state["growth_interval"])
         self._growth_tracker = int(state["_growth_tracker"])
         self.min_scale = float(state.get("min_scale", self.min_scale))
+
+
+def amp_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
+    scaler: LossScaler | None = None,
+    scheduler=None,
+) -> float:
+    """One mixed-precision step (Micikevicius et al. 2018): forward under
+    ``torch.autocast`` in ``dtype`` (bfloat16 or float16, on the model's device, CPU or
+    CUDA), the loss in float32, backward, and the optimizer's step on the float32
+    parameters, which are the master weights. With a ``scaler`` the loss is scaled, a
+    step with inf/NaN gradients is skipped, and ``scheduler`` (if any) advances only on
+    steps taken. Returns the (unscaled) loss.
+    """
+    check_choice("dtype", dtype, (torch.bfloat16, torch.float16))
+    if scaler is not None and not isinstance(scaler, LossScaler):
+        raise TypeError(f"Invalid scaler: a {type(scaler).__name__} (expected a LossScaler)")
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(device_of(model).type, dtype=dtype):
+        output = model(x)
+    loss = loss_fn(output.float(), y)
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    if scheduler is not None and not (scaler is not None and scaler.skipped):
+        scheduler.step()
+    return loss.item()
 
 
 # -- demonstrations -----------------------------------------------------------------------

@@ -7,7 +7,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lsdl_lab.memory.precision import LossScaler, bf16_range_vs_precision, fp16_underflow
+from lsdl_lab.memory.precision import (
+    LossScaler,
+    amp_step,
+    bf16_range_vs_precision,
+    fp16_underflow,
+)
 
 INJECT = {9, 16}  # steps whose gradients get an inf on top of the natural overflows
 
@@ -57,6 +62,39 @@ def test_equal_to_grad_scaler_step_for_step():
     assert INJECT <= set(skipped)
     scales = [s for s, _, _ in mine]
     assert any(b > a for a, b in zip(scales, scales[1:]))  # and it grew again
+
+
+def test_amp_step_is_the_same_loop():
+    settings = dict(init_scale=2.0**24, growth_interval=3)
+    model = _model()
+    theirs = _run(
+        torch.amp.GradScaler("cpu", **settings), model, torch.optim.SGD(model.parameters(), lr=0.05)
+    )
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
+    scaler = LossScaler(**settings)
+    gen = torch.Generator().manual_seed(1)
+    for t, (scale, skipped, weights) in enumerate(theirs[:9]):
+        batch = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        assert scaler.get_scale() == scale
+        loss = amp_step(model, opt, nn.functional.mse_loss, batch, torch.float16, scaler, sched)
+        assert math.isfinite(loss) and scaler.skipped == skipped
+        assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters())), t
+    assert sched.last_epoch == 9 - scaler.skipped_steps == 2
+
+
+def test_amp_step_bf16_trains_float32_master_weights():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(64, 16), torch.randn(64, 4)
+    losses = [amp_step(model, opt, nn.functional.mse_loss, (x, y)) for _ in range(30)]
+    assert losses[-1] < 0.7 * losses[0]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    with pytest.raises(ValueError, match="Invalid dtype"):
+        amp_step(model, opt, nn.functional.mse_loss, (x, y), torch.float64)
+    with pytest.raises(TypeError, match="Invalid scaler"):
+        amp_step(model, opt, nn.functional.mse_loss, (x, y), scaler=torch.amp.GradScaler("cpu"))
 
 
 def test_skipped_step_flags_and_schedule():
