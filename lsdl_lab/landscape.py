@@ -307,12 +307,13 @@ def random_direction(
 
 
 def _check_direction(name: str, params: Sequence[Tensor], direction) -> list[Tensor]:
+    expected = f"expected {len(params)} tensors shaped like model.parameters()"
+    if isinstance(direction, Tensor) or not all(isinstance(d, Tensor) for d in direction):
+        raise TypeError(f"Invalid {name}: a {type(direction).__name__} ({expected})")
     direction = list(direction)
-    shapes = [tuple(p.shape) for p in params]
-    if [tuple(d.shape) for d in direction] != shapes:
-        raise ValueError(
-            f"Invalid {name}: expected {len(shapes)} tensors shaped like model.parameters()"
-        )
+    if [d.shape for d in direction] != [p.shape for p in params]:
+        shapes = [tuple(d.shape) for d in direction]
+        raise ValueError(f"Invalid {name}: tensors of shapes {shapes} ({expected})")
     return [d.to(p) for d, p in zip(direction, params)]
 
 
@@ -333,10 +334,14 @@ def _grid(model, loss_fn, batches, directions, coordinates) -> np.ndarray:
 
 
 def _as_array(name: str, values) -> np.ndarray:
-    values = np.asarray(values, dtype=float).reshape(-1)
-    if values.size == 0 or not np.all(np.isfinite(values)):
-        raise ValueError(f"Invalid {name}: expected a non-empty sequence of finite numbers")
-    return values
+    expected = "expected a non-empty sequence of finite numbers"
+    try:
+        array = np.asarray(values, dtype=float).reshape(-1)
+    except (TypeError, ValueError):
+        raise TypeError(f"Invalid {name}: {values!r} ({expected})") from None
+    if array.size == 0 or not np.all(np.isfinite(array)):
+        raise ValueError(f"Invalid {name}: {values!r} ({expected})")
+    return array
 
 
 def slice_1d(model: nn.Module, loss_fn: LossFn, batches, direction, alphas) -> np.ndarray:
@@ -371,6 +376,9 @@ class Interpolation(NamedTuple):
 
 
 def _check_same_architecture(model_a: nn.Module, model_b: nn.Module) -> None:
+    for name, model in (("model_a", model_a), ("model_b", model_b)):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Invalid {name}: a {type(model).__name__} (expected an nn.Module)")
     a, b = model_a.state_dict(), model_b.state_dict()
     if a.keys() != b.keys() or any(a[k].shape != b[k].shape for k in a):
         raise ValueError("Invalid model_b: its parameters and buffers differ from model_a's")

@@ -120,6 +120,25 @@ def test_epsilon_sharpness_leaves_the_model_exactly_as_it_was(method):
     assert s.loss == pytest.approx(ls.loss_at(model, F.cross_entropy, (x, y)), rel=1e-12)
 
 
+def test_a_failing_loss_leaves_weights_and_modes_as_they_were():
+    model, x, y = cnn()
+    model.train()
+    model[1].eval()  # a frozen BatchNorm stays frozen
+    before = snapshot(model)
+    calls = []
+
+    def fails_on_the_second_call(out, target):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("a broken loss")
+        return F.cross_entropy(out, target)
+
+    with pytest.raises(RuntimeError, match="a broken loss"):
+        ls.epsilon_sharpness(model, fails_on_the_second_call, (x, y), epsilon=0.1, steps=3)
+    assert_unchanged(model, before)
+    assert model.training and not model[1].training
+
+
 def test_epsilon_sharpness_grows_with_the_box():
     model, x, y = cnn()
     values = [
@@ -281,6 +300,14 @@ def test_slice_bad_arguments():
         ls.slice_1d(model, F.cross_entropy, (x, y), d, [])
     with pytest.raises(ValueError, match="Invalid d2"):
         ls.slice_2d(model, F.cross_entropy, (x, y), d, [t.reshape(-1) for t in d], [0.0], [0.0])
+    with pytest.raises(ValueError, match="Invalid betas"):
+        ls.slice_2d(model, F.cross_entropy, (x, y), d, d, [0.0], [0.0, math.nan])
+    with pytest.raises(TypeError, match="Invalid d1: a Tensor"):
+        ls.slice_1d(model, F.cross_entropy, (x, y), d[0], [0.0])
+    with pytest.raises(TypeError, match="Invalid d1"):
+        ls.slice_1d(model, F.cross_entropy, (x, y), [t.tolist() for t in d], [0.0])
+    with pytest.raises(TypeError, match="Invalid alphas"):
+        ls.slice_1d(model, F.cross_entropy, (x, y), d, ["left", "right"])
 
 
 # -- interpolation ----------------------------------------------------------------------------
@@ -339,6 +366,8 @@ def test_interpolation_of_a_quadratic_follows_the_segment():
     assert result.metrics is None
     with pytest.raises(ValueError, match="Invalid model_b"):
         ls.interpolate(a, cnn()[0], output, SCALAR_BATCH, alphas)
+    with pytest.raises(TypeError, match="Invalid model_b: a dict"):
+        ls.interpolate(a, {}, output, SCALAR_BATCH, alphas)
 
 
 # -- Dinh et al.'s reparametrization ----------------------------------------------------------
