@@ -6,10 +6,11 @@ import torch
 from lsdl_lab.compress.bits import pack_bits, packed_size, unpack_bits
 
 
-@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 7, 8, 9, 12, 17, 31])
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 100, 1001])
 def test_round_trip_and_size(width, n):
     codes = torch.randint(0, 2**width, (n,))
+    codes[:2] = torch.tensor([2**width - 1, 0])[: min(n, 2)]  # the largest code too
     packed = pack_bits(codes, width)
     assert packed.dtype == torch.uint8
     assert packed.numel() == math.ceil(n * width / 8) == packed_size(n, width)
@@ -23,6 +24,11 @@ def test_bit_order_is_numpys_little_endian():
     assert pack_bits(bits, 1).tolist() == expected.tolist()
     # two-bit codes: entry i occupies bits 2i and 2i + 1
     assert pack_bits(torch.tensor([1, 2, 3, 0]), 2).tolist() == [1 + (2 << 2) + (3 << 4)]
+
+
+def test_wide_codes_send_their_low_bytes_first():
+    codes = torch.tensor([0x1AB, 0x0CD, 0x1EF])  # 9 bits each: 27 bits, 4 bytes
+    assert pack_bits(codes, 9).tolist() == [0xAB, 0xCD, 0xEF, 0b101]
 
 
 def test_bad_arguments():
