@@ -108,15 +108,6 @@ CONFIGS = {
 LR_LARS, LR_LAMB, WD_LARS, WD_LAMB = 0.1, 1e-3, 1e-4, 0.01
 
 
-def layerwise_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
-    """``lsdl_lab.optim.lars.param_groups_for_layerwise`` for a parameter list."""
-    groups = [
-        dict(params=[p for p in params if p.ndim >= 2], weight_decay=weight_decay),
-        dict(params=[p for p in params if p.ndim < 2], weight_decay=0.0, trust=False),
-    ]
-    return [g for g in groups if g["params"]]
-
-
 def pytorch_optimizer():
     """The ``pytorch_optimizer`` module, or None when it cannot be imported."""
     try:
@@ -129,7 +120,7 @@ def pytorch_optimizer():
 def layerwise_configurations() -> list[tuple[str, str, Callable]]:
     """(label, reference, make) of the LARS and LAMB rows; ``make(params)`` returns the pair
     (lsdl_lab optimizer, reference optimizer), or raises ImportError for a missing one."""
-    from lsdl_lab.optim import LAMB, LARS
+    from lsdl_lab.optim import LAMB, LARS, param_groups_for_layerwise
 
     def po_class(name):
         po = pytorch_optimizer()
@@ -150,7 +141,7 @@ def layerwise_configurations() -> list[tuple[str, str, Callable]]:
             "LARS",
             f"pytorch-optimizer LARS weight_decay={WD_LARS:g}",
             lambda ps: (
-                LARS(layerwise_groups(ps, WD_LARS), lr=LR_LARS, momentum=0.9, eps=0.0),
+                LARS(param_groups_for_layerwise(ps, WD_LARS), lr=LR_LARS, momentum=0.9, eps=0.0),
                 po_class("LARS")(ps, lr=LR_LARS, momentum=0.9, weight_decay=WD_LARS, foreach=True),
             ),
         ),

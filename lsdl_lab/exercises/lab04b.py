@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from ..check import CheckFailed, check_function, exercise
+from ..optim.layerwise import trust_ratio as layerwise_trust_ratio
 from ..schedules import polynomial_decay, warmup_then
 
 
@@ -22,13 +23,9 @@ def trust_ratio(
         \tau = \frac{\phi(\|w\|)}{\|u\|}, \qquad
         \phi(z) = z \ \text{or}\ \min(\max(z, \gamma_l), \gamma_u) \ \text{with clamp}
 
-    and :math:`\tau = 1` when :math:`\|w\| = 0` or :math:`\|u\| = 0`."""
-    w_norm = torch.linalg.vector_norm(weight)
-    u_norm = torch.linalg.vector_norm(update)
-    if w_norm == 0 or u_norm == 0:
-        return 1.0
-    phi = w_norm.clamp(*clamp) if clamp is not None else w_norm
-    return (phi / u_norm).item()
+    and :math:`\tau = 1` when :math:`\|w\| = 0` or :math:`\|u\| = 0`: the library's
+    :func:`lsdl_lab.optim.layerwise.trust_ratio` on a single tensor."""
+    return layerwise_trust_ratio([weight], [update], clamp)[0]
 
 
 def warmup_polynomial_lr(

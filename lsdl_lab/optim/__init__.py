@@ -2,7 +2,10 @@
 
 Every optimizer takes the same arguments as its torch.optim namesake where one exists,
 keeps its state in ``state_dict`` and updates all parameters of a group with multi-tensor
-(``torch._foreach_*``) operations. :mod:`lsdl_lab.optim.base` holds what they share.
+(``torch._foreach_*``) operations. :mod:`lsdl_lab.optim.base` holds what they share,
+:mod:`lsdl_lab.optim.pieces` the update steps several of them use (momentum, Adam's moments
+and denominator, weight decay), :mod:`lsdl_lab.optim.layerwise` the trust ratio and the
+parameter groups of LARS and LAMB.
 :class:`SAM` is a wrapper: sharpness-aware minimization around any of them (or any
 torch.optim optimizer).
 """
@@ -14,6 +17,7 @@ from .adamax import Adamax
 from .base import Optimizer
 from .lamb import LAMB
 from .lars import LARS
+from .layerwise import param_groups_for_layerwise, trust_ratio
 from .nadam import NAdam
 from .rmsprop import RMSprop
 from .sam import SAM
@@ -32,4 +36,6 @@ __all__ = [
     "LAMB",
     "SAM",
     "Optimizer",
+    "param_groups_for_layerwise",
+    "trust_ratio",
 ]

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Optimizer, check_beta
+from .._util import check_fraction
+from .base import Optimizer
+from .pieces import coupled_weight_decay
 
 __all__ = ["Adadelta"]
 
@@ -40,14 +42,24 @@ class Adadelta(Optimizer):
         super().__init__(params, defaults, foreach)
 
     def check(self, group):
-        check_beta("rho value", group["rho"], upper_inclusive=True)
+        check_fraction("rho value", group["rho"], closed=True)
 
     def update(self, group, params, grads):
+        r"""Adadelta's step (Zeiler, 2012, Algorithm 1), with a learning-rate multiplier
+        :math:`\eta` (1 in the paper) and coupled weight decay:
+
+        .. math::
+            g_t &\leftarrow g_t + \lambda\, w_{t-1} \\
+            v_t &= \rho\, v_{t-1} + (1 - \rho)\, g_t^2 \\
+            \Delta w_t &= \frac{\sqrt{u_{t-1} + \epsilon}}{\sqrt{v_t + \epsilon}}\; g_t \\
+            u_t &= \rho\, u_{t-1} + (1 - \rho)\, \Delta w_t^2 \\
+            w_t &= w_{t-1} - \eta\, \Delta w_t
+        """
         lr, rho, eps, lam = group["lr"], group["rho"], group["eps"], group["weight_decay"]
-        v, u = self.buffers(params, "square_avg", "acc_delta")
+        v = self.buffer(params, "square_avg")
+        u = self.buffer(params, "acc_delta")
         self.count_steps(params)
-        if lam:
-            grads = torch._foreach_add(grads, params, alpha=lam)
+        grads = coupled_weight_decay(grads, params, lam)
         torch._foreach_mul_(v, rho)
         torch._foreach_addcmul_(v, grads, grads, 1 - rho)
         std = torch._foreach_add(v, eps)

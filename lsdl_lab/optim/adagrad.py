@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Optimizer, check_nonnegative
+from .._util import check_nonnegative
+from .base import Optimizer
+from .pieces import coupled_weight_decay
 
 __all__ = ["Adagrad"]
 
@@ -51,11 +53,18 @@ class Adagrad(Optimizer):
         check_nonnegative("initial_accumulator_value value", group["initial_accumulator_value"])
 
     def update(self, group, params, grads):
+        r"""Adagrad's step (Duchi, Hazan and Singer, 2011, diagonal variant), with
+        torch.optim's learning-rate decay :math:`\delta` and coupled weight decay:
+
+        .. math::
+            g_t &\leftarrow g_t + \lambda\, w_{t-1} \\
+            s_t &= s_{t-1} + g_t^2 \\
+            w_t &= w_{t-1} - \frac{\eta}{1 + (t - 1)\,\delta}\, \frac{g_t}{\sqrt{s_t} + \epsilon}
+        """
         lr, delta, eps, lam = group["lr"], group["lr_decay"], group["eps"], group["weight_decay"]
-        s = self.buffers(params, "sum", fill=group["initial_accumulator_value"])
+        s = self.buffer(params, "sum", fill=group["initial_accumulator_value"])
         t = self.count_steps(params)
-        if lam:
-            grads = torch._foreach_add(grads, params, alpha=lam)
+        grads = coupled_weight_decay(grads, params, lam)
         torch._foreach_addcmul_(s, grads, grads)
         std = torch._foreach_sqrt(s)
         torch._foreach_add_(std, eps)

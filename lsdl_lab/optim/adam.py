@@ -8,9 +8,10 @@ weight decay (Loshchilov and Hutter, 2019).
     w_t &= w_{t-1} - \frac{\eta}{1-\beta_1^t}\,
            \frac{m_t}{\sqrt{\hat v_t / (1-\beta_2^t)} + \epsilon}
 
-Weight decay :math:`\lambda` is *coupled* in :class:`Adam` (added to the gradient,
+Weight decay :math:`\lambda` is *coupled* by default (added to the gradient,
 :math:`g_t \leftarrow g_t + \lambda w_{t-1}`, so it is rescaled by the adaptive
-denominator like the rest of the gradient) and *decoupled* in :class:`AdamW`
+denominator like the rest of the gradient) and *decoupled* with
+``decoupled_weight_decay=True``, as in :class:`AdamW`
 (:math:`w_{t-1} \leftarrow (1 - \eta\lambda)\, w_{t-1}` before the update, so every
 weight decays at the same rate).
 
@@ -24,14 +25,14 @@ from __future__ import annotations
 import torch
 
 from .base import Optimizer
+from .pieces import adam_denominator, adam_moments_, coupled_weight_decay, decoupled_weight_decay_
 
 __all__ = ["Adam", "AdamW"]
 
 
 class Adam(Optimizer):
-    """Adam with coupled (L2) weight decay and optional AMSGrad."""
-
-    decoupled = False
+    """Adam with optional AMSGrad, and coupled (L2) or, with ``decoupled_weight_decay=True``
+    (torch.optim's name for the flag), decoupled weight decay: AdamW."""
 
     def __init__(
         self,
@@ -43,6 +44,7 @@ class Adam(Optimizer):
         amsgrad: bool = False,
         *,
         foreach: bool = True,
+        decoupled_weight_decay: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -50,41 +52,49 @@ class Adam(Optimizer):
             eps=eps,
             weight_decay=weight_decay,
             amsgrad=amsgrad,
+            decoupled_weight_decay=decoupled_weight_decay,
         )
         super().__init__(params, defaults, foreach)
 
     def update(self, group, params, grads):
+        r"""Adam's step (Kingma and Ba, 2015, Algorithm 1), with AMSGrad (Reddi et al., 2018)
+        and coupled or decoupled weight decay (AdamW, Loshchilov and Hutter, 2019):
+
+        .. math::
+            g_t &\leftarrow g_t + \lambda\, w_{t-1} \quad\text{(coupled)} \qquad
+            w_{t-1} \leftarrow (1 - \eta\lambda)\, w_{t-1} \quad\text{(decoupled)} \\
+            m_t &= \beta_1 m_{t-1} + (1-\beta_1)\, g_t, \qquad
+            v_t = \beta_2 v_{t-1} + (1-\beta_2)\, g_t^2 \\
+            \hat v_t &= \max(\hat v_{t-1}, v_t) \quad\text{(AMSGrad; otherwise }
+            \hat v_t = v_t) \\
+            w_t &= w_{t-1} - \frac{\eta}{1-\beta_1^t}\,
+            \frac{m_t}{\sqrt{\hat v_t / (1-\beta_2^t)} + \epsilon}
+        """
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
         lam = group["weight_decay"]
-        m, v = self.buffers(params, "exp_avg", "exp_avg_sq")
+        m = self.buffer(params, "exp_avg")
+        v = self.buffer(params, "exp_avg_sq")
         t = self.count_steps(params)
-        if lam and self.decoupled:
-            torch._foreach_mul_(params, 1 - lr * lam)
-        elif lam:
-            grads = torch._foreach_add(grads, params, alpha=lam)
-        torch._foreach_lerp_(m, grads, 1 - beta1)  # m += (1 - beta1) (g - m)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
+        if group["decoupled_weight_decay"]:
+            decoupled_weight_decay_(params, lr, lam)
+        else:
+            grads = coupled_weight_decay(grads, params, lam)
+        adam_moments_(m, v, grads, beta1, beta2)
         # Free the weight-decayed copy of g before denom is allocated, as torch.optim does:
         # denom then reuses its memory instead of touching fresh pages, which measured up
         # to 1.2x the step time at 10M parameters (benchmarks/README.md).
         del grads
         if group["amsgrad"]:
-            v_max = self.buffers(params, "max_exp_avg_sq")
+            v_max = self.buffer(params, "max_exp_avg_sq")
             torch._foreach_maximum_(v_max, v)
             v = v_max
-        denom = torch._foreach_sqrt(v)
-        # ** 0.5 (C pow), not math.sqrt: torch.optim's choice; the two differ by one ulp for
-        # about one number in a thousand, and then so would the results
-        torch._foreach_div_(denom, [(1 - beta2**k) ** 0.5 for k in t])
-        torch._foreach_add_(denom, eps)
+        denom = adam_denominator(v, [1 - beta2**k for k in t], eps)
         torch._foreach_addcdiv_(params, m, denom, [-lr / (1 - beta1**k) for k in t])
 
 
 class AdamW(Adam):
-    """Adam with decoupled weight decay (Loshchilov and Hutter, 2019)."""
-
-    decoupled = True
+    """Adam with decoupled weight decay (Loshchilov and Hutter, 2019):
+    ``Adam(..., decoupled_weight_decay=True)`` with torch.optim.AdamW's defaults."""
 
     def __init__(
         self,
@@ -97,4 +107,7 @@ class AdamW(Adam):
         *,
         foreach: bool = True,
     ):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach)
+        super().__init__(
+            params, lr, betas, eps, weight_decay, amsgrad,
+            foreach=foreach, decoupled_weight_decay=True,
+        )  # fmt: skip

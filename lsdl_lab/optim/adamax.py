@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .base import Optimizer
+from .pieces import coupled_weight_decay
 
 __all__ = ["Adamax"]
 
@@ -44,12 +45,21 @@ class Adamax(Optimizer):
         super().__init__(params, defaults, foreach)
 
     def update(self, group, params, grads):
+        r"""Adamax's step (Kingma and Ba, 2015, Section 7.1, Algorithm 2), with
+        torch.optim's :math:`\epsilon` inside the maximum and coupled weight decay:
+
+        .. math::
+            g_t &\leftarrow g_t + \lambda\, w_{t-1} \\
+            m_t &= \beta_1 m_{t-1} + (1-\beta_1)\, g_t \\
+            u_t &= \max(\beta_2\, u_{t-1},\ |g_t| + \epsilon) \\
+            w_t &= w_{t-1} - \frac{\eta}{1-\beta_1^t}\, \frac{m_t}{u_t}
+        """
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
         lam = group["weight_decay"]
-        m, u = self.buffers(params, "exp_avg", "exp_inf")
+        m = self.buffer(params, "exp_avg")
+        u = self.buffer(params, "exp_inf")
         t = self.count_steps(params)
-        if lam:
-            grads = torch._foreach_add(grads, params, alpha=lam)
+        grads = coupled_weight_decay(grads, params, lam)
         torch._foreach_lerp_(m, grads, 1 - beta1)
         torch._foreach_mul_(u, beta2)
         abs_g = torch._foreach_abs(grads)

@@ -4,12 +4,16 @@ An optimizer here is a :class:`torch.optim.Optimizer` subclass that adds only tw
 its hyperparameters (with their valid ranges) and an ``update`` method holding its
 mathematics. ``update`` works on *lists* of tensors with ``torch._foreach_*`` operations,
 the multi-tensor form of torch.optim's fast path, so the readable code is the fast code.
+The pieces several updates share (momentum, Adam's moments and denominator, weight decay)
+are functions in :mod:`lsdl_lab.optim.pieces`.
 
 The base class does the rest:
 
 * validation of every parameter group, at construction and in ``add_param_group``, with
-  torch.optim's messages (``Invalid learning rate: -1.0``);
-* the per-parameter state: named buffers created on first use (:meth:`buffers`) and a
+  the library's checks and torch.optim's names (``Invalid learning rate: -1.0 (expected
+  ...)``): ``TypeError`` for a wrong type, ``ValueError`` for a value out of range; every
+  flag (a constructor argument whose default is ``True`` or ``False``) must be a bool;
+* the per-parameter state: a named buffer created on first use (:meth:`buffer`) and a
   per-parameter step count (:meth:`count_steps`), all in ``state_dict``;
 * the loop over parameter groups, ``closure`` handling, and the choice between one
   multi-tensor call per group (``foreach=True``, the default) and one call per parameter
@@ -23,61 +27,54 @@ book's models has them, and supporting them would double every update rule.
 
 from __future__ import annotations
 
-import math
+import inspect
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["Optimizer", "check_beta", "check_betas", "check_nonnegative"]
+from .._util import check_bool, check_nonnegative, check_real
+
+__all__ = ["Optimizer", "check_betas"]
 
 
-def check_nonnegative(what: str, value) -> None:
-    """``value`` must be a finite real number >= 0 (NaN and infinity are refused too)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not (math.isfinite(value) and value >= 0.0)
-    ):
-        raise ValueError(f"Invalid {what}: {value!r} (expected a finite number >= 0)")
-
-
-def check_beta(what: str, value, upper_inclusive: bool = False) -> None:
-    """``value`` must lie in [0, 1) (or [0, 1] with ``upper_inclusive``)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and 0.0 <= value and (value <= 1.0 if upper_inclusive else value < 1.0)
-    if not ok:
-        bound = "1]" if upper_inclusive else "1)"
-        raise ValueError(f"Invalid {what}: {value!r} (expected a number in [0, {bound})")
-
-
-def check_betas(betas) -> None:
-    if not isinstance(betas, Sequence) or len(betas) != 2:
+def check_betas(betas) -> tuple[float, float]:
+    """A pair ``(beta1, beta2)``, each in [0, 1) (torch.optim's names for the two)."""
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence):
+        raise TypeError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2))")
+    if len(betas) != 2:
         raise ValueError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2))")
-    for i, beta in enumerate(betas):
-        check_beta(f"beta parameter at index {i}", beta)
+    return tuple(
+        check_real(f"beta parameter at index {i}", beta, 0.0, 1.0, high_open=True)
+        for i, beta in enumerate(betas)
+    )
 
 
 class Optimizer(torch.optim.Optimizer):
     """Base of the book's optimizers; a subclass defines ``check`` and ``update``."""
 
     def __init__(self, params: Iterable, defaults: dict, foreach: bool = True):
-        if not isinstance(foreach, bool):
-            raise TypeError(f"Invalid foreach: {foreach!r} (expected True or False)")
-        self.foreach = foreach
+        self.foreach = check_bool("foreach", foreach)
         self._check_group(defaults)
         super().__init__(params, defaults)
 
     # -- what a subclass provides ---------------------------------------------------------
 
     def check(self, group: dict) -> None:
-        """Raise ValueError for hyperparameters outside their valid range."""
+        """Raise ValueError (TypeError) for a hyperparameter outside its range (of a wrong
+        type), beyond those :meth:`_check_group` checks for every optimizer."""
 
     def update(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         """Update ``params`` in place from ``grads`` (lists of tensors of one group)."""
         raise NotImplementedError
 
     # -- what the base provides -----------------------------------------------------------
+
+    @classmethod
+    def flags(cls) -> list[str]:
+        """The names of the constructor's flags: its arguments with a bool default."""
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        return [p.name for p in parameters if isinstance(p.default, bool)]
 
     def _check_group(self, group: dict) -> None:
         """The hyperparameters many optimizers share, checked once here; then ``check``."""
@@ -87,6 +84,9 @@ class Optimizer(torch.optim.Optimizer):
         for key, what in (("eps", "epsilon value"), ("weight_decay", "weight_decay value")):
             if key in group:
                 check_nonnegative(what, group[key])
+        for key in self.flags():  # nesterov, amsgrad, trust, ...
+            if key in group:
+                check_bool(key, group[key])
         self.check(group)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -95,6 +95,7 @@ class Optimizer(torch.optim.Optimizer):
         params = [params] if isinstance(params, Tensor) else list(params)
         param_group = {**param_group, "params": params}
         for p in params:
+            p = p[1] if isinstance(p, tuple) else p  # a (name, parameter) pair
             if isinstance(p, Tensor) and p.is_complex():
                 raise ValueError(
                     f"{type(self).__name__} does not support complex parameters "
@@ -106,28 +107,25 @@ class Optimizer(torch.optim.Optimizer):
             group["betas"] = tuple(group["betas"])  # a pair, whichever sequence was given
         try:
             self._check_group(group)
-        except ValueError:
+        except (TypeError, ValueError):
             self.param_groups.pop()  # an invalid group must not stay behind
             raise
 
-    def buffers(
-        self, params: list[Tensor], *names: str, like: list[Tensor] | None = None, fill: float = 0.0
-    ) -> list[list[Tensor]] | list[Tensor]:
-        """The state tensors ``names`` of each parameter, created on first use as
-        ``fill`` (or as a copy of ``like``, e.g. the first gradient). One list per name."""
-        lists = []
-        for name in names:
-            out = []
-            for i, p in enumerate(params):
-                state = self.state[p]
-                if name not in state:
-                    if like is not None:
-                        state[name] = like[i].detach().clone(memory_format=torch.preserve_format)
-                    else:
-                        state[name] = torch.full_like(p, fill, memory_format=torch.preserve_format)
-                out.append(state[name])
-            lists.append(out)
-        return lists[0] if len(names) == 1 else lists
+    def buffer(
+        self, params: list[Tensor], name: str, like: list[Tensor] | None = None, fill: float = 0.0
+    ) -> list[Tensor]:
+        """The state tensor ``name`` of each parameter, created on first use as ``fill``
+        (or as a copy of ``like``, e.g. the first gradient)."""
+        out = []
+        for i, p in enumerate(params):
+            state = self.state[p]
+            if name not in state:
+                if like is not None:
+                    state[name] = like[i].detach().clone(memory_format=torch.preserve_format)
+                else:
+                    state[name] = torch.full_like(p, fill, memory_format=torch.preserve_format)
+            out.append(state[name])
+        return out
 
     def has_state(self, params: list[Tensor], name: str) -> bool:
         return all(name in self.state[p] for p in params)

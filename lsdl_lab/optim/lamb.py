@@ -40,44 +40,45 @@ Variant choices, and how they compare:
   Adam :math:`\epsilon` to :math:`\|u_t\|`).
 * **The zero-norm case**: a layer with zero weights (a zero-initialized bias) or a zero
   step gets :math:`\tau = 1`, as in optax, timm and pytorch-optimizer.
-* **Excluded layers**: :func:`~lsdl_lab.optim.lars.param_groups_for_layerwise` puts biases
+* **Excluded layers**: :func:`~lsdl_lab.optim.layerwise.param_groups_for_layerwise` puts biases
   and normalization parameters in a group with ``weight_decay=0`` and ``trust=False``
   (the authors' TensorFlow LAMB excludes from adaptation what it excludes from weight
   decay; timm and apex adapt only groups with weight decay, by default; optax's mask
   covers the decay only, pytorch-optimizer adapts every tensor). With ``trust=False`` the
-  update is :class:`~lsdl_lab.optim.AdamW` (``Adam`` when ``weight_decay=0``), operation
-  for operation.
+  update is :class:`~lsdl_lab.optim.AdamW`'s (``Adam``'s when ``weight_decay=0``), bit for
+  bit: the same shared pieces in the same order.
 * **No gradient clipping**: timm's ``Lamb`` and apex's ``FusedLAMB`` (NVIDIA's variant)
   first divide all gradients by their global norm when it exceeds ``max_grad_norm=1``, by
-  default; here clipping belongs to the training loop (``fit(..., clip_grad_norm=1.0)``).
+  default; here clipping belongs to the training step
+  (``fit(..., step=partial(train_step, clip_grad_norm=1.0))``).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 
 from .base import Optimizer
-from .lars import check_bool
+from .layerwise import trust_ratio
+from .pieces import adam_denominator, adam_moments_, adam_ratio, decoupled_weight_decay_
 
 __all__ = ["LAMB"]
 
 
-def check_clamp(clamp) -> None:
-    ok = clamp is None or (
-        isinstance(clamp, Sequence)
-        and len(clamp) == 2
-        and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in clamp)
-        and math.isfinite(clamp[0])
-        and 0.0 <= clamp[0] <= clamp[1]
-    )
-    if not ok:
-        raise ValueError(
-            f"Invalid clamp: {clamp!r} (expected None or a pair (lower, upper) with "
-            "0 <= lower <= upper, upper possibly inf)"
-        )
+def check_clamp(clamp) -> tuple[float, float] | None:
+    """None, or a pair (lower, upper) with 0 <= lower <= upper (upper may be inf)."""
+    expected = "expected None or a pair (lower, upper) with 0 <= lower <= upper, upper possibly inf"
+    if clamp is None:
+        return None
+    pair = isinstance(clamp, Sequence) and not isinstance(clamp, (str, bytes))
+    if not pair or not all(isinstance(c, numbers.Real) and not isinstance(c, bool) for c in clamp):
+        raise TypeError(f"Invalid clamp: {clamp!r} ({expected})")
+    if len(clamp) != 2 or not (math.isfinite(clamp[0]) and 0.0 <= clamp[0] <= clamp[1]):
+        raise ValueError(f"Invalid clamp: {clamp!r} ({expected})")
+    return float(clamp[0]), float(clamp[1])
 
 
 class LAMB(Optimizer):
@@ -108,50 +109,39 @@ class LAMB(Optimizer):
         super().__init__(params, defaults, foreach)
 
     def check(self, group):
-        check_bool("bias_correction", group["bias_correction"])
-        check_bool("trust", group["trust"])
         check_clamp(group["clamp"])
 
     def update(self, group, params, grads):
+        r"""LAMB's step, the paper's Algorithm 2 line by line (You et al., 2020):
+
+        .. math::
+            m_t &= \beta_1 m_{t-1} + (1-\beta_1)\, g_t, \qquad
+            v_t = \beta_2 v_{t-1} + (1-\beta_2)\, g_t^2 \\
+            r_t &= \frac{m_t / (1-\beta_1^t)}{\sqrt{v_t / (1-\beta_2^t)} + \epsilon} \\
+            u_t &= r_t + \lambda\, w_{t-1} \\
+            \tau_t &= \phi(\|w_{t-1}\|) / \|u_t\| \\
+            w_t &= w_{t-1} - \gamma_t\, \tau_t\, u_t
+
+        per layer; ``bias_correction=False`` drops both corrections. With ``trust=False``
+        it is AdamW (:math:`\tau_t = 1`, the decay applied as AdamW applies it).
+        """
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
-        lam, clamp = group["weight_decay"], group["clamp"]
-        m, v = self.buffers(params, "exp_avg", "exp_avg_sq")
+        lam = group["weight_decay"]
+        m = self.buffer(params, "exp_avg")
+        v = self.buffer(params, "exp_avg_sq")
         t = self.count_steps(params)
-        correct = group["bias_correction"]
-        bc1 = [1 - beta1**k if correct else 1.0 for k in t]
-        bc2_sqrt = [(1 - beta2**k) ** 0.5 if correct else 1.0 for k in t]
-        torch._foreach_lerp_(m, grads, 1 - beta1)  # m += (1 - beta1) (g - m)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
-        if not group["trust"]:
-            # AdamW's operations, one for one, so trust=False is AdamW bit for bit
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bc2_sqrt)
-            torch._foreach_add_(denom, eps)  # sqrt(v_hat) + eps
+        bc1 = [1 - beta1**k if group["bias_correction"] else 1.0 for k in t]
+        bc2 = [1 - beta2**k if group["bias_correction"] else 1.0 for k in t]
+        adam_moments_(m, v, grads, beta1, beta2)
+        if group["trust"]:
+            r = adam_ratio(m, v, bc1, bc2, eps)
+            u = r  # in place: r is not needed once u is built
             if lam:
-                torch._foreach_mul_(params, 1 - lr * lam)
+                torch._foreach_add_(u, params, alpha=lam)
+            tau = trust_ratio(params, u, group["clamp"])
+            torch._foreach_mul_(u, [-lr * s for s in tau])
+            torch._foreach_add_(params, u)
+        else:  # AdamW's pieces in AdamW's order: AdamW bit for bit
+            decoupled_weight_decay_(params, lr, lam)
+            denom = adam_denominator(v, bc2, eps)
             torch._foreach_addcdiv_(params, m, denom, [-lr / c for c in bc1])
-            return
-        # The step is tau u itself, so u is built once and applied (as optax and
-        # pytorch-optimizer do) instead of recomputing m / denom: a third less memory
-        # traffic than AdamW's operations plus u. The bias corrections are folded into
-        # scalars: u' = m / (sqrt(v) + eps sqrt(1 - beta2^t)) = r c with
-        # c = (1 - beta1^t) / sqrt(1 - beta2^t).
-        c = [b1 / b2 for b1, b2 in zip(bc1, bc2_sqrt)]
-        u = torch._foreach_sqrt(v)  # the one model-sized temporary, as in AdamW
-        torch._foreach_add_(u, [eps * b for b in bc2_sqrt])
-        torch._foreach_reciprocal_(u)  # in place: a second temporary m / denom cost more
-        torch._foreach_mul_(u, m)  # than this extra rounding (page faults on fresh memory)
-        if lam:
-            torch._foreach_div_(u, c)  # r
-            torch._foreach_add_(u, params, alpha=lam)  # u = r + lam w
-            c = [1.0] * len(params)
-        # else u = r c, and tau u = phi r / ||r|| does not depend on c: no pass to remove it
-        w_norm = torch.stack(torch._foreach_norm(params))
-        u_norm = torch.stack(torch._foreach_norm(u))
-        phi = w_norm.clamp(*clamp) if clamp is not None else w_norm
-        no_ratio = 1.0 / torch.tensor(c, dtype=u_norm.dtype, device=u_norm.device)
-        # One device-to-host copy per step: the ratios become per-tensor Python scalars.
-        tau = torch.where((w_norm > 0) & (u_norm > 0), phi / u_norm, no_ratio).tolist()
-        torch._foreach_mul_(u, [-lr * s for s in tau])
-        torch._foreach_add_(params, u)

@@ -44,44 +44,20 @@ Variant choices, and how they compare:
   adaptation and the decay (the authors' TensorFlow LARS and LAMB exclude from adaptation
   what they exclude from weight decay; timm adapts only groups with weight decay;
   pytorch-optimizer adapts only tensors with two or more dimensions; optax takes masks).
-  :func:`param_groups_for_layerwise` builds those groups; an excluded group takes plain
-  SGD steps at the global rate.
+  :func:`~lsdl_lab.optim.layerwise.param_groups_for_layerwise` builds those groups; an
+  excluded group takes plain SGD steps at the global rate.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from .base import Optimizer, check_beta, check_nonnegative
-from .sgd import SGD
+from .._util import check_positive, check_real
+from .base import Optimizer
+from .layerwise import trust_ratio
+from .pieces import coupled_weight_decay, momentum
 
-__all__ = ["LARS", "param_groups_for_layerwise"]
-
-
-def check_bool(what: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"Invalid {what}: {value!r} (expected True or False)")
-
-
-def check_positive(what: str, value) -> None:
-    check_nonnegative(what, value)
-    if value == 0:
-        raise ValueError(f"Invalid {what}: {value!r} (expected a finite number > 0)")
-
-
-def param_groups_for_layerwise(model: nn.Module, weight_decay: float = 0.0) -> list[dict]:
-    """Parameter groups for :class:`LARS` and :class:`~lsdl_lab.optim.LAMB`: tensors with two
-    or more dimensions (weight matrices, convolution kernels, embeddings) get ``weight_decay``
-    and the trust ratio; the others (biases, BatchNorm and LayerNorm scales and shifts) get
-    neither (``weight_decay=0``, ``trust=False``). Empty groups are left out."""
-    check_nonnegative("weight_decay value", weight_decay)
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        dict(params=[p for p in params if p.ndim >= 2], weight_decay=weight_decay),
-        dict(params=[p for p in params if p.ndim < 2], weight_decay=0.0, trust=False),
-    ]
-    return [g for g in groups if g["params"]]
+__all__ = ["LARS"]
 
 
 class LARS(Optimizer):
@@ -112,33 +88,41 @@ class LARS(Optimizer):
         super().__init__(params, defaults, foreach)
 
     def check(self, group):
-        check_beta("momentum value", group["momentum"])
+        check_real("momentum value", group["momentum"], 0.0, 1.0, high_open=True)
         check_positive("trust_coefficient value", group["trust_coefficient"])
-        check_bool("nesterov", group["nesterov"])
-        check_bool("trust", group["trust"])
         if group["nesterov"] and group["momentum"] <= 0:
             raise ValueError("Nesterov momentum requires a momentum")
 
     def update(self, group, params, grads):
-        lam = group["weight_decay"]
-        eta, eps = group["trust_coefficient"], group["eps"]
+        r"""LARS's step (You, Gitman and Ginsburg, 2017, Algorithm 1) with torch.optim's
+        momentum, heavy ball or Nesterov; ``trust=False`` is :class:`~lsdl_lab.optim.SGD`:
+
+        .. math::
+            \tau_t &= \frac{\eta\, \|w_{t-1}\|}{\|g_t\| + \lambda \|w_{t-1}\| + \epsilon}
+            \quad (\tau_t = 1 \text{ without trust}) \\
+            d_t &= \tau_t\, (g_t + \lambda\, w_{t-1}) \\
+            b_t &= \mu\, b_{t-1} + d_t \qquad (b_1 = d_1) \\
+            w_t &= w_{t-1} - \gamma_t\, b_t \quad\text{(heavy ball)} \qquad
+            w_t = w_{t-1} - \gamma_t\,(d_t + \mu\, b_t) \quad\text{(Nesterov)}
+        """
+        lr, mu, lam = group["lr"], group["momentum"], group["weight_decay"]
         if group["trust"]:
-            w_norm = torch.stack(torch._foreach_norm(params))
-            g_norm = torch.stack(torch._foreach_norm(grads))
-            denom = g_norm + lam * w_norm
-            tau = eta * w_norm / (denom + eps)
-            tau = torch.where((w_norm > 0) & (denom > 0), tau, 1.0)
-            # In place, as pytorch-optimizer's LARS does (and torch.optim's Nesterov SGD):
-            # d = tau (g + lam w) is built in the gradient's own memory, since a fresh copy
-            # the size of the model every step cost more than both norms together
-            # (benchmarks/README.md). The norms above were taken first, from g itself.
+            # The norms first, from g itself: d is then built in the gradient's own memory,
+            # as pytorch-optimizer's LARS does (and torch.optim's Nesterov SGD), since a fresh
+            # copy the size of the model every step cost more than both norms together
+            # (benchmarks/README.md).
+            tau = trust_ratio(
+                params, grads, trust_coefficient=group["trust_coefficient"],
+                weight_decay=lam, eps=group["eps"],
+            )  # fmt: skip
             d = grads
             if lam:
                 torch._foreach_add_(d, params, alpha=lam)
-            # One device-to-host copy per step: the ratios become per-tensor Python scalars.
-            torch._foreach_mul_(d, tau.tolist())
+            torch._foreach_mul_(d, tau)
         else:  # SGD's weight decay, operation for operation: p.grad is left as it was
-            d = torch._foreach_add(grads, params, alpha=lam) if lam else grads
-        # The rest is SGD's momentum step on d, undamped and without decay (already in d);
-        # SGD.update needs only the state helpers every optimizer's base provides.
-        SGD.update(self, {**group, "weight_decay": 0.0, "dampening": 0.0}, params, d)
+            d = coupled_weight_decay(grads, params, lam)
+        if mu:
+            first = not self.has_state(params, "momentum_buffer")
+            b = self.buffer(params, "momentum_buffer", like=d)
+            d = momentum(b, d, mu, 0.0, group["nesterov"], first)
+        torch._foreach_add_(params, d, alpha=-lr)

@@ -24,7 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import Optimizer, check_nonnegative
+from .._util import check_nonnegative
+from .base import Optimizer
+from .pieces import (
+    adam_denominator,
+    adam_moments_,
+    coupled_weight_decay,
+    decoupled_weight_decay_,
+)
 
 __all__ = ["NAdam"]
 
@@ -66,25 +73,36 @@ class NAdam(Optimizer):
         return [self.state[p]["mu_product"] for p in params]
 
     def update(self, group, params, grads):
+        r"""NAdam's step (Dozat, 2016) in torch.optim's form, with momentum warm-up and
+        coupled or decoupled (Loshchilov and Hutter, 2019) weight decay:
+
+        .. math::
+            g_t &\leftarrow g_t + \lambda\, w_{t-1} \quad\text{(coupled)} \qquad
+            w_{t-1} \leftarrow (1 - \eta\lambda)\, w_{t-1} \quad\text{(decoupled)} \\
+            \mu_t &= \beta_1 \bigl(1 - \tfrac12\, 0.96^{\,t\psi}\bigr), \qquad
+            \Pi_t = \textstyle\prod_{k=1}^{t} \mu_k \\
+            m_t &= \beta_1 m_{t-1} + (1-\beta_1)\, g_t, \qquad
+            v_t = \beta_2 v_{t-1} + (1-\beta_2)\, g_t^2 \\
+            w_t &= w_{t-1} - \eta\,\Bigl(\frac{1-\mu_t}{1-\Pi_t}\, g_t
+            + \frac{\mu_{t+1}}{1-\Pi_t\,\mu_{t+1}}\, m_t\Bigr)
+            \Big/ \Bigl(\sqrt{v_t / (1-\beta_2^t)} + \epsilon\Bigr)
+        """
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
         lam, psi = group["weight_decay"], group["momentum_decay"]
-        m, v = self.buffers(params, "exp_avg", "exp_avg_sq")
+        m = self.buffer(params, "exp_avg")
+        v = self.buffer(params, "exp_avg_sq")
         t = self.count_steps(params)
-        if lam and group["decoupled_weight_decay"]:
-            torch._foreach_mul_(params, 1 - lr * lam)
-        elif lam:
-            grads = torch._foreach_add(grads, params, alpha=lam)
-        torch._foreach_lerp_(m, grads, 1 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
+        if group["decoupled_weight_decay"]:
+            decoupled_weight_decay_(params, lr, lam)
+        else:
+            grads = coupled_weight_decay(grads, params, lam)
+        adam_moments_(m, v, grads, beta1, beta2)
         mu = [beta1 * (1.0 - 0.5 * 0.96 ** (k * psi)) for k in t]
         mu_next = [beta1 * (1.0 - 0.5 * 0.96 ** ((k + 1) * psi)) for k in t]
         mu_product = self.mu_products(params)
         torch._foreach_mul_(mu_product, mu)
         pi = [x.item() for x in mu_product]
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, [(1 - beta2**k) ** 0.5 for k in t])  # pow, as torch
-        torch._foreach_add_(denom, eps)
+        denom = adam_denominator(v, [1 - beta2**k for k in t], eps)
         torch._foreach_addcdiv_(
             params, grads, denom, [-lr * (1 - a) / (1 - b) for a, b in zip(mu, pi)]
         )

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Optimizer, check_beta, check_nonnegative
+from .._util import check_fraction, check_real
+from .base import Optimizer
+from .pieces import coupled_weight_decay
 
 __all__ = ["RMSprop"]
 
@@ -53,20 +55,32 @@ class RMSprop(Optimizer):
 
     def check(self, group):
         # torch.optim accepts any alpha >= 0; above 1 the average is no longer an average
-        check_beta("alpha value", group["alpha"], upper_inclusive=True)
-        check_nonnegative("momentum value", group["momentum"])
+        check_fraction("alpha value", group["alpha"], closed=True)
+        # torch.optim accepts any momentum >= 0; from 1 on the buffer grows without bound
+        check_real("momentum value", group["momentum"], 0.0, 1.0, high_open=True)
 
     def update(self, group, params, grads):
+        r"""RMSprop's step (Tieleman and Hinton, 2012), centered as in Graves (2013,
+        Eqs. 38-41) and with momentum when asked, in torch.optim's form:
+
+        .. math::
+            g_t &\leftarrow g_t + \lambda\, w_{t-1} \\
+            v_t &= \alpha\, v_{t-1} + (1 - \alpha)\, g_t^2, \qquad
+            \bar g_t = \alpha\, \bar g_{t-1} + (1 - \alpha)\, g_t \quad\text{(centered)} \\
+            r_t &= \sqrt{v_t - \bar g_t^2} + \epsilon \quad\text{(centered)} \qquad
+            r_t = \sqrt{v_t} + \epsilon \\
+            b_t &= \mu\, b_{t-1} + g_t / r_t, \quad w_t = w_{t-1} - \eta\, b_t
+            \quad\text{(momentum; otherwise } w_t = w_{t-1} - \eta\, g_t / r_t)
+        """
         lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
         lam, mu = group["weight_decay"], group["momentum"]
-        v = self.buffers(params, "square_avg")
+        v = self.buffer(params, "square_avg")
         self.count_steps(params)
-        if lam:
-            grads = torch._foreach_add(grads, params, alpha=lam)
+        grads = coupled_weight_decay(grads, params, lam)
         torch._foreach_mul_(v, alpha)
         torch._foreach_addcmul_(v, grads, grads, 1 - alpha)
         if group["centered"]:
-            g_bar = self.buffers(params, "grad_avg")
+            g_bar = self.buffer(params, "grad_avg")
             torch._foreach_lerp_(g_bar, grads, 1 - alpha)
             r = torch._foreach_addcmul(v, g_bar, g_bar, -1)
             torch._foreach_sqrt_(r)
@@ -74,7 +88,7 @@ class RMSprop(Optimizer):
             r = torch._foreach_sqrt(v)
         torch._foreach_add_(r, eps)
         if mu:
-            b = self.buffers(params, "momentum_buffer")
+            b = self.buffer(params, "momentum_buffer")
             torch._foreach_mul_(b, mu)
             torch._foreach_addcdiv_(b, grads, r)
             torch._foreach_add_(params, b, alpha=-lr)

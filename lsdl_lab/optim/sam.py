@@ -44,15 +44,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import check_nonnegative
+from .._util import check_bool, check_nonnegative
 
 __all__ = ["SAM"]
 
 
 def _check_group(group: dict) -> None:
     check_nonnegative("rho", group["rho"])
-    if not isinstance(group["adaptive"], bool):
-        raise TypeError(f"Invalid adaptive: {group['adaptive']!r} (expected True or False)")
+    check_bool("adaptive", group["adaptive"])
 
 
 class SAM(torch.optim.Optimizer):
@@ -101,6 +100,8 @@ class SAM(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
+            if any(g.is_sparse for g in grads):
+                raise RuntimeError("SAM does not support sparse gradients")
             if group["adaptive"]:
                 grads = torch._foreach_mul(grads, torch._foreach_abs(params))
             norms += torch._foreach_norm(grads) if grads else []

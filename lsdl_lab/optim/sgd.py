@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import torch
 
-from .base import Optimizer, check_nonnegative
+from .._util import check_nonnegative, check_real
+from .base import Optimizer
+from .pieces import coupled_weight_decay, momentum
 
 __all__ = ["SGD"]
 
 
 class SGD(Optimizer):
-    """SGD with optional momentum (heavy ball or Nesterov), dampening and weight decay."""
+    r"""SGD with optional momentum (heavy ball or Nesterov), dampening and weight decay.
+
+    ``momentum`` must lie in [0, 1), stricter than torch.optim, which accepts any momentum
+    >= 0: with :math:`\mu \ge 1` the buffer is no longer an average and grows without bound.
+    """
 
     def __init__(
         self,
@@ -51,26 +57,27 @@ class SGD(Optimizer):
         super().__init__(params, defaults, foreach)
 
     def check(self, group):
-        check_nonnegative("momentum value", group["momentum"])
+        check_real("momentum value", group["momentum"], 0.0, 1.0, high_open=True)
         check_nonnegative("dampening value", group["dampening"])
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
     def update(self, group, params, grads):
+        r"""SGD's step, heavy ball (Polyak, 1964) or Nesterov (Sutskever et al., 2013), in
+        torch.optim's form:
+
+        .. math::
+            d_t &= g_t + \lambda\, w_{t-1} \\
+            b_t &= \mu\, b_{t-1} + (1 - \tau)\, d_t \qquad (b_1 = d_1) \\
+            w_t &= w_{t-1} - \eta\, b_t \quad\text{(heavy ball)} \qquad
+            w_t = w_{t-1} - \eta\,(d_t + \mu\, b_t) \quad\text{(Nesterov)}
+
+        Without momentum (:math:`\mu = 0`) it is :math:`w_t = w_{t-1} - \eta\, d_t`.
+        """
         lr, mu, tau, lam = group["lr"], group["momentum"], group["dampening"], group["weight_decay"]
-        d = torch._foreach_add(grads, params, alpha=lam) if lam else grads
+        d = coupled_weight_decay(grads, params, lam)
         if mu:
-            if self.has_state(params, "momentum_buffer"):
-                b = self.buffers(params, "momentum_buffer")
-                torch._foreach_mul_(b, mu)
-                torch._foreach_add_(b, d, alpha=1 - tau)
-            else:
-                b = self.buffers(params, "momentum_buffer", like=d)
-            if group["nesterov"]:
-                # In place, as torch.optim does: d (the gradient, or its weight-decayed
-                # copy) is not needed after this step, and a new temporary the size of the
-                # model costs a full pass of fresh memory (measured 1.2-1.7x slower).
-                torch._foreach_add_(d, b, alpha=mu)
-            else:
-                d = b
+            first = not self.has_state(params, "momentum_buffer")
+            b = self.buffer(params, "momentum_buffer", like=d)
+            d = momentum(b, d, mu, tau, group["nesterov"], first)
         torch._foreach_add_(params, d, alpha=-lr)

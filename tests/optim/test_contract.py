@@ -1,0 +1,383 @@
+"""The contract every optimizer of lsdl_lab.optim keeps, run over ONE list of optimizers and
+their option sets (the pattern of torch's ``common_optimizers.py``).
+
+* ``foreach=False`` (one update per parameter) equals ``foreach=True``, bit for bit;
+* exact resume: k steps, ``state_dict`` through ``torch.save``, a fresh optimizer built with
+  other hyperparameters loads it and continues: bit for bit the uninterrupted run;
+* parameter groups keep their own hyperparameters (a group's update depends on its own
+  hyperparameters only; a group with lr = 0 does not move);
+* bad hyperparameters raise ValueError (a bad value) or TypeError (a wrong type, a flag
+  that is not a bool) naming the argument, at construction and in ``add_param_group``,
+  which then keeps no half-added group;
+* sparse gradients and complex parameters are refused; parameters without a gradient are
+  skipped; ``step(closure)`` returns the closure's loss.
+
+A new optimizer joins by one entry in ``OPTIMIZERS``; the first test fails until it has.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import math
+import re
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lsdl_lab import optim
+from lsdl_lab.models import MLP
+
+nan, inf = float("nan"), float("inf")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """An optimizer in the contract: its class, the option sets (hyperparameters) to run it
+    with, its arguments that are not hyperparameters (``fixed``), the bad values proper to
+    it as (arguments, error, words of the message), and whether a group's update depends on
+    that group's parameters alone (``separable``; SAM's perturbation has a global norm)."""
+
+    cls: type
+    options: tuple[dict, ...]
+    bad: tuple[tuple[dict, type, str], ...] = ()
+    fixed: dict = field(default_factory=dict)
+    separable: bool = True
+
+    def make(self, params, **options):
+        return self.cls(params, **self.fixed, **options)
+
+    def __str__(self):
+        return self.cls.__name__
+
+
+BETAS_BAD = tuple(
+    (dict(betas=b), ValueError, f"Invalid beta parameter at index {i}: {b[i]!r}")
+    for i, b in [(0, (1.0, 0.999)), (0, (-0.1, 0.999)), (1, (0.9, 1.0)), (1, (0.9, nan))]
+) + ((dict(betas=(0.9,)), ValueError, "Invalid betas: (0.9,)"),)
+MOMENTUM_BAD = (
+    (dict(momentum=1.0), ValueError,
+     "Invalid momentum value: 1.0 (expected a finite number in [0, 1))"),
+    (dict(momentum=-0.1), ValueError, "Invalid momentum value: -0.1"),
+)  # fmt: skip
+
+OPTIMIZERS = [
+    Spec(optim.SGD, (dict(lr=0.1), dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+                     dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+         MOMENTUM_BAD + ((dict(dampening=-0.1), ValueError, "Invalid dampening value: -0.1"),
+                         (dict(nesterov=True), ValueError, "Nesterov momentum requires a momentum"),
+                         (dict(momentum=0.9, dampening=0.1, nesterov=True), ValueError,
+                          "zero dampening"))),
+    Spec(optim.Adagrad, (dict(lr=0.1), dict(lr=0.1, lr_decay=0.01, weight_decay=1e-3,
+                                            initial_accumulator_value=0.1, eps=1e-8)),
+         ((dict(lr_decay=-0.1), ValueError, "Invalid lr_decay value: -0.1"),
+          (dict(initial_accumulator_value=-1.0), ValueError,
+           "Invalid initial_accumulator_value value: -1.0"))),
+    Spec(optim.RMSprop, (dict(lr=1e-3), dict(lr=1e-3, alpha=0.9, eps=1e-6, weight_decay=1e-3,
+                                             momentum=0.5, centered=True)),
+         MOMENTUM_BAD + ((dict(alpha=-0.1), ValueError, "Invalid alpha value: -0.1"),
+                         (dict(alpha=1.5), ValueError, "Invalid alpha value: 1.5"))),
+    Spec(optim.Adadelta, (dict(lr=1.0), dict(lr=0.5, rho=0.8, eps=1e-5, weight_decay=1e-3)),
+         ((dict(rho=-0.1), ValueError, "Invalid rho value: -0.1"),
+          (dict(rho=1.1), ValueError, "Invalid rho value: 1.1"))),
+    Spec(optim.Adam, (dict(lr=1e-2), dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2,
+                                          amsgrad=True),
+                      dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)), BETAS_BAD),
+    Spec(optim.AdamW, (dict(lr=1e-2), dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1,
+                                           amsgrad=True)), BETAS_BAD),
+    Spec(optim.Adamax, (dict(lr=1e-2), dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6,
+                                            weight_decay=1e-3)), BETAS_BAD),
+    Spec(optim.NAdam, (dict(lr=1e-2), dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2,
+                                           momentum_decay=1e-2, decoupled_weight_decay=True)),
+         BETAS_BAD + ((dict(momentum_decay=-1e-3), ValueError,
+                       "Invalid momentum_decay value: -0.001"),)),
+    Spec(optim.LARS, (dict(lr=2.0), dict(lr=2.0, momentum=0.9, weight_decay=1e-3, nesterov=True),
+                      dict(lr=0.5, momentum=0.0, trust=False, weight_decay=1e-3)),
+         MOMENTUM_BAD + ((dict(trust_coefficient=0.0), ValueError,
+                          "Invalid trust_coefficient value: 0.0 (expected a finite number > 0)"),
+                         (dict(trust_coefficient=inf), ValueError,
+                          "Invalid trust_coefficient value: inf"),
+                         (dict(momentum=0.0, nesterov=True), ValueError,
+                          "Nesterov momentum requires a momentum"))),
+    Spec(optim.LAMB, (dict(lr=1e-2), dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.01,
+                                          clamp=(0.0, 10.0)),
+                      dict(lr=1e-2, weight_decay=0.01, bias_correction=False),
+                      dict(lr=1e-2, weight_decay=0.01, trust=False)),
+         BETAS_BAD + tuple((dict(clamp=c), ValueError, f"Invalid clamp: {c!r} (expected None or")
+                           for c in [(1.0, 0.5), (-1.0, 2.0), (1.0,), (inf, inf), (0.0, nan)])
+         + ((dict(clamp=10.0), TypeError, "Invalid clamp: 10.0"),
+            (dict(clamp=("0", 1)), TypeError, "Invalid clamp: ('0', 1)"))),
+    Spec(optim.SAM, (dict(lr=0.1), dict(lr=0.1, momentum=0.9, rho=0.1, adaptive=True)),
+         ((dict(rho=-1.0), ValueError, "Invalid rho: -1.0"),
+          (dict(rho=nan), ValueError, "Invalid rho: nan")),
+         fixed=dict(base_optimizer=optim.SGD), separable=False),
+]  # fmt: skip
+
+CASES = [(spec, options) for spec in OPTIMIZERS for options in spec.options]
+CASE_IDS = [f"{spec}-{i}" for spec in OPTIMIZERS for i in range(len(spec.options))]
+
+
+def test_every_optimizer_is_in_the_contract():
+    exported = {
+        obj
+        for obj in vars(optim).values()
+        if isinstance(obj, type)
+        and issubclass(obj, torch.optim.Optimizer)
+        and obj is not optim.Optimizer
+    }
+    assert exported == {spec.cls for spec in OPTIMIZERS}
+
+
+# -- training --------------------------------------------------------------------------------
+
+
+def batch(t: int):
+    g = torch.Generator().manual_seed(1000 + t)
+    return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return MLP(6, 3, hidden=12, depth=2)
+
+
+def train(model, opt, steps):
+    """Steps that suit every optimizer: the gradient at w in ``.grad``, then ``step(closure)``
+    (SAM needs both; the others recompute the same gradient in the closure)."""
+    for t in steps:
+        x, y = batch(t)
+
+        def closure(x=x, y=y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        closure()
+        opt.step(closure)
+    return model, opt
+
+
+def assert_equal(a, b, where="state"):
+    """Equal nested state (dicts, lists, tensors, numbers), tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_equal(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), where
+
+
+def assert_same_run(a, b):
+    (model_a, opt_a), (model_b, opt_b) = a, b
+    for pa, pb in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert_equal(opt_a.state_dict()["state"], opt_b.state_dict()["state"])
+
+
+STEPS = 8
+
+
+@pytest.mark.parametrize(("spec", "options"), CASES, ids=CASE_IDS)
+def test_foreach_false_equals_foreach_true(spec, options):
+    runs = []
+    for foreach in (True, False):
+        model = make_model()
+        runs.append(train(model, spec.make(model.parameters(), **options, foreach=foreach),
+                          range(STEPS)))  # fmt: skip
+    assert_same_run(*runs)
+
+
+@pytest.mark.parametrize(("spec", "options"), CASES, ids=CASE_IDS)
+def test_resume_through_state_dict_is_exact(spec, options):
+    model = make_model()
+    uninterrupted = train(model, spec.make(model.parameters(), **options), range(STEPS))
+
+    model = make_model()
+    opt = spec.make(model.parameters(), **options)
+    train(model, opt, range(STEPS // 2))
+    buffer = io.BytesIO()
+    torch.save(dict(model=model.state_dict(), opt=opt.state_dict()), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)  # weights_only: the state is plain tensors and numbers
+    del model, opt
+
+    model = make_model(seed=123)  # other weights, overwritten by the checkpoint
+    model.load_state_dict(saved["model"])
+    opt = spec.make(model.parameters(), **{**options, "lr": 123.0})  # restored below
+    opt.load_state_dict(saved["opt"])
+    assert opt.param_groups[0]["lr"] == options["lr"]
+    assert_same_run(train(model, opt, range(STEPS // 2, STEPS)), uninterrupted)
+
+
+@pytest.mark.parametrize("spec", OPTIMIZERS, ids=str)
+def test_param_groups_keep_their_own_hyperparameters(spec):
+    full, plain = spec.options[-1], spec.options[0]
+    model = make_model()
+    params = list(model.parameters())
+    frozen = {**plain, "lr": 0.0}  # this group must not move
+    groups = [dict(params=params[:2], **full), dict(params=params[2:4], **frozen),
+              dict(params=params[4:])]  # fmt: skip
+    opt = spec.make(groups, **plain)
+    assert all(opt.param_groups[0][k] == v for k, v in full.items())
+    assert opt.param_groups[1]["lr"] == 0.0 and opt.param_groups[2]["lr"] == plain["lr"]
+    before = [p.detach().clone() for p in params]
+    train(model, opt, range(3))
+    assert all(torch.equal(p, b) for p, b in zip(params[2:4], before[2:4]))
+    moving = [i for i in range(len(params)) if i not in (2, 3)]
+    assert all(not torch.equal(params[i], before[i]) for i in moving)
+    if not spec.separable:
+        return
+    # a group's update depends on its own hyperparameters and parameters only: the same as
+    # one optimizer per group
+    alone = make_model()
+    parts = list(alone.parameters())
+    opts = [spec.make(parts[:2], **full), spec.make(parts[2:4], **frozen),
+            spec.make(parts[4:], **plain)]  # fmt: skip
+    for t in range(3):
+        x, y = batch(t)
+        for o in opts:
+            o.zero_grad()
+        F.cross_entropy(alone(x), y).backward()
+        for o in opts:
+            o.step()
+    for p, q in zip(params, parts, strict=True):
+        assert torch.equal(p, q)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+WORDING = {"lr": "learning rate", "eps": "epsilon value"}  # torch.optim's names
+
+
+def wrong_types(spec):
+    """A string for every number, "yes" for every flag: each a TypeError naming the argument
+    (with torch.optim's wording for lr and eps, "<name> value" for most others)."""
+    cases = [(dict(lr="0.1"), TypeError, "Invalid learning rate: '0.1'")]
+    for name, p in inspect.signature(spec.cls).parameters.items():
+        if name in ("params", "lr") or name in spec.fixed or p.kind is p.VAR_KEYWORD:
+            continue
+        words = WORDING.get(name, rf"{name}( value)?")
+        if isinstance(p.default, bool):
+            cases.append((dict({name: "yes"}), TypeError, rf"Invalid {words}: 'yes'"))
+        elif isinstance(p.default, (int, float, tuple)):
+            cases.append((dict({name: "1"}), TypeError, rf"Invalid {words}: '1'"))
+    return cases
+
+
+BAD = [
+    (spec, kw, error, re.escape(message))
+    for spec in OPTIMIZERS
+    for kw, error, message in [
+        (dict(lr=-1.0), ValueError, "Invalid learning rate: -1.0"),
+        (dict(lr=nan), ValueError, "Invalid learning rate: nan"),
+        (dict(lr=inf), ValueError, "Invalid learning rate: inf"),
+        *[(dict(weight_decay=-0.1), ValueError, "Invalid weight_decay value: -0.1")]
+        * ("weight_decay" in inspect.signature(spec.cls).parameters),
+        *[(dict(eps=-1e-8), ValueError, "Invalid epsilon value: -1e-08")]
+        * ("eps" in inspect.signature(spec.cls).parameters),
+        *spec.bad,
+    ]
+] + [(spec, kw, error, pattern) for spec in OPTIMIZERS for kw, error, pattern in wrong_types(spec)]
+
+
+@pytest.mark.parametrize(("spec", "kw", "error", "pattern"), BAD, ids=lambda x: str(x)[:40])
+def test_bad_hyperparameters_are_refused_by_name(spec, kw, error, pattern):
+    p, q = torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)
+    options = {**spec.options[0], **kw}
+    with pytest.raises(error, match=pattern):
+        spec.make([p], **options)
+    if kw.keys() == {"foreach"}:
+        return  # a constructor argument, not a hyperparameter of a group
+    opt = spec.make([p], **spec.options[0])
+    with pytest.raises(error, match=pattern):
+        opt.add_param_group(dict(params=[q], **kw))
+    assert len(opt.param_groups) == 1  # the invalid group did not stay behind
+
+
+def test_the_flags_are_checked_alike():
+    # once, SAM raised TypeError and LARS ValueError for a flag that is not a bool, and
+    # SGD and Adam did not check nesterov and amsgrad at all
+    w = [torch.zeros(2, requires_grad=True)]
+    for make, flag in [(lambda: optim.SGD(w, momentum=0.9, nesterov="yes"), "nesterov"),
+                       (lambda: optim.Adam(w, amsgrad=1), "amsgrad"),
+                       (lambda: optim.LARS(w, lr=0.1, trust="yes"), "trust"),
+                       (lambda: optim.SAM(w, optim.SGD, adaptive="yes", lr=0.1), "adaptive"),
+                       (lambda: optim.Adam(w, foreach=None), "foreach")]:  # fmt: skip
+        with pytest.raises(TypeError, match=f"Invalid {flag}: .* \\(expected True or False\\)"):
+            make()
+
+
+def test_momentum_is_in_zero_one_everywhere():
+    # SGD accepted any momentum >= 0, LARS only [0, 1): now both (and RMSprop) refuse 1
+    w = [torch.zeros(2, requires_grad=True)]
+    for cls in (optim.SGD, optim.RMSprop, optim.LARS):
+        with pytest.raises(ValueError, match=r"Invalid momentum value: 1.5 .*\[0, 1\)"):
+            cls(w, lr=0.1, momentum=1.5)
+        cls(w, lr=0.1, momentum=0.99)
+
+
+@pytest.mark.parametrize("spec", OPTIMIZERS, ids=str)
+def test_sparse_gradients_are_refused_by_name(spec):
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    opt = spec.make(emb.parameters(), **spec.options[0])
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match=f"{spec} does not support sparse gradients"):
+        opt.step(lambda: None)
+
+
+@pytest.mark.parametrize("spec", OPTIMIZERS, ids=str)
+def test_complex_parameters_are_refused(spec):
+    z = torch.zeros(2, dtype=torch.complex64, requires_grad=True)
+    with pytest.raises(ValueError, match="complex"):
+        spec.make([z], **spec.options[0])
+    opt = spec.make([torch.zeros(2, requires_grad=True)], **spec.options[0])
+    with pytest.raises(ValueError, match="complex"):
+        opt.add_param_group(dict(params=[z]))
+
+
+# -- closure, parameters without gradient ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("spec", "options"), CASES, ids=CASE_IDS)
+def test_step_returns_the_closures_loss(spec, options):
+    model = make_model()
+    opt = spec.make(model.parameters(), **options)
+    x, y = batch(0)
+    losses = []
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(loss)
+        return loss
+
+    closure()
+    assert opt.step(closure) is losses[-1] and math.isfinite(losses[-1].item())
+
+
+@pytest.mark.parametrize(("spec", "options"), CASES, ids=CASE_IDS)
+def test_parameters_without_gradient_are_skipped(spec, options):
+    model = make_model()
+    unused = torch.nn.Parameter(torch.ones(4))  # in the optimizer, never in the loss
+    frozen = model.net[1].bias  # a layer frozen for the whole run
+    frozen.requires_grad_(False)
+    before = frozen.detach().clone()
+    opt = spec.make([*model.parameters(), unused], **options)
+    train(model, opt, range(3))
+    assert torch.equal(unused, torch.ones(4)) and torch.equal(frozen, before)
+    assert unused not in opt.state and frozen not in opt.state
+    trained = [p for p in model.parameters() if p.requires_grad]
+    with_state = [p for p in trained if opt.state.get(p)]
+    assert len(with_state) in (0, len(trained))  # stateless (plain SGD), or state for each
+    opt.load_state_dict(opt.state_dict())  # and state_dict works with the stateless ones
