@@ -86,11 +86,12 @@ class CurvatureOperator:
 
 
 class DenseOperator(CurvatureOperator):
-    """An explicit symmetric ``(dim, dim)`` matrix as an operator: the exact Hessian of a small
+    r"""An explicit symmetric ``(dim, dim)`` matrix as an operator: the exact Hessian of a small
     model (:func:`hessian_matrix`), or a test matrix whose spectrum is known.
 
     The probes assume symmetry, so a matrix that is not symmetric up to rounding
-    (:math:`\\|A - A^\\top\\| \\le \\sqrt{\\epsilon}\\,\\|A\\|`) is refused.
+    (:math:`\|A - A^\top\|_F > \sqrt{\epsilon}\,\|A\|_F`, :math:`\epsilon` the dtype's
+    machine epsilon) is refused.
     """
 
     def __init__(self, matrix: torch.Tensor):
