@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._util import check_int, check_positive, check_real
+from ._util import check_bool, check_int, check_positive, check_real
 
 __all__ = [
     "GPT",
@@ -29,6 +29,7 @@ __all__ = [
 
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
     """Number of scalar parameters (each shared tensor counted once)."""
+    check_bool("trainable_only", trainable_only)
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) in seen or (trainable_only and not p.requires_grad):

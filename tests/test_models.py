@@ -64,6 +64,11 @@ def test_resnet_rejects_too_small_input():
 def test_mlp_counts_and_shapes():
     m = models.MLP(64, 10, hidden=32, depth=2)
     assert m.num_parameters() == 64 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10
+    m.net[1].weight.requires_grad_(False)
+    assert models.count_parameters(m) == m.num_parameters() == 32 + 32 * 32 + 32 + 32 * 10 + 10
+    assert models.count_parameters(m, trainable_only=False) == 64 * 32 + m.num_parameters()
+    with pytest.raises(TypeError, match="Invalid trainable_only"):
+        models.count_parameters(m, trainable_only="no")
     assert m(torch.randn(5, 1, 8, 8)).shape == (5, 10)
     assert models.MLP(4, 3, depth=0).num_parameters() == 4 * 3 + 3
 
