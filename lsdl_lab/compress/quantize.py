@@ -57,9 +57,12 @@ class SignSGD(Compressor):
     The scaled sign of Karimireddy et al. (2019, EF-SGD): the scale makes ``C`` a
     :math:`\delta`-contraction, :math:`\|C(g) - g\|^2 \le (1 - \delta)\|g\|^2`, which
     error feedback needs. 1-bit SGD (Seide et al. 2014) and signSGD (Bernstein et al. 2018)
-    send the same bit; signSGD's majority vote is replaced here by averaging the scaled
-    signs. A zero entry is sent as ``+`` (one bit has no room for 0), harmless because
-    it is multiplied by the scale. Biased: wrap it in :class:`ErrorFeedback`.
+    send the same bit, but Seide et al. decode each column to the mean of its positive or
+    of its negative entries, and signSGD's majority vote sends no scale; here one scale per
+    tensor, and the hook averages the ranks' scaled signs. A zero entry is sent as ``+``
+    (one bit has no room for 0) and comes back as ``+scale``; an all-zero tensor has scale
+    0 and comes back as zeros. Biased: wrap it in
+    :class:`ErrorFeedback`, which carries every such difference to the next step.
     Wire: ``ceil(d / 8)`` bytes of signs plus one scale.
     """
 
