@@ -11,7 +11,13 @@
   GPT, activations by Korthikanti et al. (2022).
 """
 
-from .calculator import activation_bytes, gpt_memory, gpt_param_shapes, optimizer_state_bytes
+from .calculator import (
+    GPTShape,
+    activation_bytes,
+    gpt_memory,
+    gpt_param_shapes,
+    optimizer_state_bytes,
+)
 from .checkpoint import (
     Recompute,
     checkpoint_sequential,
@@ -25,6 +31,7 @@ from .precision import LossScaler, amp_step, bf16_range_vs_precision, fp16_under
 from .zero import zero_bytes
 
 __all__ = [
+    "GPTShape",
     "activation_bytes",
     "amp_step",
     "bf16_range_vs_precision",

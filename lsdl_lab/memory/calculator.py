@@ -43,11 +43,14 @@ pass: 2 bytes per matrix parameter that the formula does not count.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .._util import check_bool, check_choice, check_int
 from .zero import zero_bytes
 
 __all__ = [
     "ATTENTIONS",
+    "GPTShape",
     "OPTIMIZERS",
     "PRECISIONS",
     "RECOMPUTE",
@@ -63,9 +66,35 @@ RECOMPUTE = ("none", "selective", "full")
 ATTENTIONS = ("materialized", "fused")
 
 
-def gpt_param_shapes(
-    layers: int, hidden: int, vocab: int, positions: int, tp: int = 1, tied: bool = True
-) -> list[tuple[int, ...]]:
+@dataclass(frozen=True)
+class GPTShape:
+    """A GPT and its micro-batch: ``layers`` blocks of width ``hidden`` with ``heads``
+    heads, micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens, ``vocab``
+    tokens, ``positions`` learned positions (the block size; default ``seq_len``), the
+    output layer ``tied`` to the token embedding or not."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    micro_batch: int
+    vocab: int
+    positions: int | None = None
+    tied: bool = True
+
+    def __post_init__(self):
+        for name in ("layers", "hidden", "heads", "seq_len", "micro_batch", "vocab"):
+            check_int(name, getattr(self, name), 1)
+        if self.positions is not None:
+            check_int("positions", self.positions, 1)
+        check_bool("tied", self.tied)
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"Invalid heads: {self.heads} (expected a divisor of hidden={self.hidden})"
+            )
+
+
+def gpt_param_shapes(shape: GPTShape, tp: int = 1) -> list[tuple[int, ...]]:
     """The parameter shapes of the GPT held by one of ``tp`` tensor-parallel ranks.
 
     Per block: LayerNorm (h, h), QKV (3h x h, 3h), projection (h x h, h), MLP (4h x h, 4h,
@@ -74,19 +103,17 @@ def gpt_param_shapes(
     MLP layer by columns, the token embedding by vocabulary; LayerNorms, the projection's
     and second MLP layer's biases and the positions whole on every rank.
     """
-    h, t = hidden, tp
-    for name, value in (("layers", layers), ("hidden", hidden), ("vocab", vocab)):
-        check_int(name, value, 1)
-    check_int("positions", positions, 1)
-    check_int("tp", tp, 1)
-    check_bool("tied", tied)
-    if hidden % tp or (4 * hidden) % tp or vocab % tp:
+    if not isinstance(shape, GPTShape):
+        raise TypeError(f"Invalid shape: a {type(shape).__name__} (expected a GPTShape)")
+    h, t, v = shape.hidden, check_int("tp", tp, 1), shape.vocab
+    if h % t or v % t:
         raise ValueError(f"Invalid tp: {tp} (expected a divisor of hidden and vocab)")
     block = [(h,), (h,), (3 * h // t, h), (3 * h // t,), (h, h // t), (h,)]
     block += [(h,), (h,), (4 * h // t, h), (4 * h // t,), (h, 4 * h // t), (h,)]
-    shapes = [(vocab // t, h), (positions, h)] + block * layers + [(h,), (h,)]
-    if not tied:
-        shapes.append((vocab // t, h))
+    positions = shape.positions or shape.seq_len
+    shapes = [(v // t, h), (positions, h)] + block * shape.layers + [(h,), (h,)]
+    if not shape.tied:
+        shapes.append((v // t, h))
     return shapes
 
 
@@ -112,12 +139,7 @@ def optimizer_state_bytes(shapes: list[tuple[int, ...]], optimizer: str, precisi
 
 
 def activation_bytes(
-    layers: int,
-    hidden: int,
-    heads: int,
-    seq_len: int,
-    micro_batch: int,
-    vocab: int,
+    shape: GPTShape,
     precision: str = "bf16",
     recompute: str = "none",
     *,
@@ -129,12 +151,11 @@ def activation_bytes(
     """Bytes of activations kept for the backward pass on one rank (Korthikanti et al.
     2022, eqs. 2-6 and Section 4.3, generalized to p bytes per activation: p = 2 in mixed
     precision, 4 in float32; see the module's text)."""
-    L, h, a = check_int("layers", layers, 1), check_int("hidden", hidden, 1), heads
-    check_int("heads", heads, 1)
-    s, b, v = seq_len, micro_batch, vocab
-    check_int("seq_len", s, 1)
-    check_int("micro_batch", b, 1)
-    check_int("vocab", v, 1)
+    if not isinstance(shape, GPTShape):
+        raise TypeError(f"Invalid shape: a {type(shape).__name__} (expected a GPTShape)")
+    L, a, s, b, h, v = (
+        shape.layers, shape.heads, shape.seq_len, shape.micro_batch, shape.hidden, shape.vocab
+    )  # fmt: skip
     check_choice("precision", precision, PRECISIONS)
     check_choice("recompute", recompute, RECOMPUTE)
     check_choice("attention", attention, ATTENTIONS)
@@ -160,55 +181,32 @@ def activation_bytes(
 
 
 def gpt_memory(
+    shape: GPTShape,
     *,
-    layers: int,
-    hidden: int,
-    heads: int,
-    seq_len: int,
-    micro_batch: int,
-    vocab: int,
     precision: str = "bf16",
     optimizer: str = "adam",
     zero_stage: int = 0,
     dp: int = 1,
     tp: int = 1,
     recompute: str = "none",
-    positions: int | None = None,
-    tied: bool = True,
-    sequence_parallel: bool = False,
-    dropout: bool = True,
-    attention: str = "materialized",
+    **activation_options,
 ) -> dict[str, float]:
     """Bytes per rank of ``params``, ``grads``, ``optimizer_state``, ``activations`` and
-    their ``total`` for training a GPT (the module's text gives every assumption).
+    their ``total`` for training the GPT ``shape`` (the module's text gives every
+    assumption).
 
-    ``positions`` is the number of learned positions (the block size; default
-    ``seq_len``). ``dp`` ranks partition the model states by ZeRO ``zero_stage``; ``tp``
-    ranks split the layers (Megatron-LM). Buffers, temporaries, the allocator's
+    ``dp`` ranks partition the model states by ZeRO ``zero_stage``; ``tp`` ranks split
+    the layers (Megatron-LM). ``activation_options`` (``sequence_parallel``, ``dropout``,
+    ``attention``) go to :func:`activation_bytes`. Buffers, temporaries, the allocator's
     fragmentation and communication buffers are not counted.
     """
     check_choice("precision", precision, PRECISIONS)
-    shapes = gpt_param_shapes(layers, hidden, vocab, positions or seq_len, tp, tied)
-    if hidden % check_int("heads", heads, 1):
-        raise ValueError(f"Invalid heads: {heads} (expected a divisor of hidden={hidden})")
+    shapes = gpt_param_shapes(shape, tp)
     psi = sum(_numel(s) for s in shapes)
     width = 4 if precision == "fp32" else 2
     k = optimizer_state_bytes(shapes, optimizer, precision) / psi
     out = zero_bytes(psi, zero_stage, dp, k, param_bytes=width, grad_bytes=width)
     del out["total"]
-    out["activations"] = activation_bytes(
-        layers,
-        hidden,
-        heads,
-        seq_len,
-        micro_batch,
-        vocab,
-        precision,
-        recompute,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        dropout=dropout,
-        attention=attention,
-    )
+    out["activations"] = activation_bytes(shape, precision, recompute, tp=tp, **activation_options)
     out["total"] = sum(out.values())
     return out

@@ -1,10 +1,13 @@
 """The memory calculator against Korthikanti et al.'s formulas and against measurement."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lsdl_lab.memory.calculator import (
+    GPTShape,
     activation_bytes,
     gpt_memory,
     gpt_param_shapes,
@@ -15,14 +18,13 @@ from lsdl_lab.memory.zero import zero_bytes
 from lsdl_lab.models import GPT, count_parameters
 
 # GPT-3-like sizes (hidden 6144, 64 heads, 48 layers: the scale Korthikanti et al. study).
-SHAPE = dict(layers=48, hidden=6144, heads=64, seq_len=2048, micro_batch=4, vocab=51200)
+SHAPE = GPTShape(layers=48, hidden=6144, heads=64, seq_len=2048, micro_batch=4, vocab=51200)
 
 
 def _per_layer(recompute, **kw):
-    one = {**SHAPE, "layers": 1}
-    two = {**SHAPE, "layers": 2}
-    return activation_bytes(**two, recompute=recompute, **kw) - activation_bytes(
-        **one, recompute=recompute, **kw
+    one, two = replace(SHAPE, layers=1), replace(SHAPE, layers=2)
+    return activation_bytes(two, recompute=recompute, **kw) - activation_bytes(
+        one, recompute=recompute, **kw
     )
 
 
@@ -44,8 +46,8 @@ def test_korthikanti_per_layer_equations():
 
 def test_outside_the_layers():
     s, b, h, v = 2048, 4, 6144, 51200
-    zero_layers = 2 * activation_bytes(**{**SHAPE, "layers": 1}) - activation_bytes(
-        **{**SHAPE, "layers": 2}
+    zero_layers = 2 * activation_bytes(replace(SHAPE, layers=1)) - activation_bytes(
+        replace(SHAPE, layers=2)
     )
     # Section 4.3: embedding dropout mask sbh, final LayerNorm and output inputs 4sbh,
     # float32 logits for the cross-entropy 4sbv.
@@ -55,23 +57,25 @@ def test_outside_the_layers():
 def test_parameter_count_is_the_book_gpt():
     for layers, dim, vocab, block in [(2, 64, 64, 32), (3, 96, 100, 16), (1, 128, 65, 8)]:
         gpt = GPT(vocab, block, layers, heads=4, dim=dim)
-        shapes = gpt_param_shapes(layers, dim, vocab, block)
+        shape = GPTShape(layers, dim, 4, block, 1, vocab)
+        shapes = gpt_param_shapes(shape)
         assert sum(torch.Size(s).numel() for s in shapes) == count_parameters(gpt)
-        untied = gpt_param_shapes(layers, dim, vocab, block, tied=False)
+        untied = gpt_param_shapes(replace(shape, tied=False))
         assert len(untied) == len(shapes) + 1
 
 
 def test_tensor_parallel_splits_the_matrices():
-    full = sum(torch.Size(s).numel() for s in gpt_param_shapes(4, 256, 1024, 128))
-    half = sum(torch.Size(s).numel() for s in gpt_param_shapes(4, 256, 1024, 128, tp=2))
+    shape = GPTShape(layers=4, hidden=256, heads=4, seq_len=128, micro_batch=1, vocab=1024)
+    full = sum(torch.Size(s).numel() for s in gpt_param_shapes(shape))
+    half = sum(torch.Size(s).numel() for s in gpt_param_shapes(shape, tp=2))
     h = 256
     replicated = 4 * (6 * h) + 128 * h + 2 * h  # LayerNorms, two biases, positions
     assert half == (full - replicated) / 2 + replicated
 
 
 def test_model_states_follow_zero_and_the_optimizer():
-    report = gpt_memory(**SHAPE, precision="bf16", optimizer="adam", zero_stage=2, dp=8)
-    psi = sum(torch.Size(s).numel() for s in gpt_param_shapes(48, 6144, 51200, 2048))
+    report = gpt_memory(SHAPE, precision="bf16", optimizer="adam", zero_stage=2, dp=8)
+    psi = sum(torch.Size(s).numel() for s in gpt_param_shapes(SHAPE))
     expected = zero_bytes(psi, 2, 8)
     for key in ("params", "grads", "optimizer_state"):
         assert report[key] == pytest.approx(expected[key])
@@ -112,11 +116,9 @@ SIZES = [(64, 32, 2, 4, 64, 4), (96, 64, 3, 4, 96, 2), (128, 48, 2, 8, 128, 3)]
 @pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum", "adafactor"])
 def test_calculator_against_measurement(vocab, seq, layers, heads, dim, batch, optimizer):
     measured, activations, tensors = _measure_gpt(vocab, seq, layers, heads, dim, batch, optimizer)
-    shape = dict(layers=layers, hidden=dim, heads=heads, seq_len=seq, micro_batch=batch)
-    calc = gpt_memory(
-        **shape, vocab=vocab, precision="fp32", optimizer=optimizer, dropout=False,
-        attention="fused",
-    )  # fmt: skip
+    shape = GPTShape(layers, dim, heads, seq, batch, vocab)
+    options = dict(precision="fp32", optimizer=optimizer, dropout=False)
+    calc = gpt_memory(shape, **options, attention="fused")
     assert measured["params"] == calc["params"] and measured["grads"] == calc["grads"]
     # torch.optim keeps a 0-d float32 step count per tensor (none for SGD), not in the formula.
     steps = 0 if optimizer == "sgd_momentum" else 4 * tensors
@@ -128,16 +130,14 @@ def test_calculator_against_measurement(vocab, seq, layers, heads, dim, batch, o
     # Korthikanti's formula assumes materialized attention scores (softmax input and
     # output, 2as²b numbers per layer); the book's GPT calls scaled_dot_product_attention,
     # whose fused kernel keeps a log-sum-exp (as b floats) instead.
-    materialized = gpt_memory(
-        **shape, vocab=vocab, precision="fp32", optimizer=optimizer, dropout=False,
-    )["activations"]  # fmt: skip
+    materialized = gpt_memory(shape, **options)["activations"]
     assert materialized - calc["activations"] == layers * 4 * (
         2 * heads * s * s * b - heads * s * b
     )
 
 
 def test_recomputation_lowers_activations_only():
-    none, sel, full = (gpt_memory(**SHAPE, recompute=r) for r in ("none", "selective", "full"))
+    none, sel, full = (gpt_memory(SHAPE, recompute=r) for r in ("none", "selective", "full"))
     assert none["activations"] > sel["activations"] > full["activations"]
     assert none["params"] == sel["params"] == full["params"]
 
@@ -151,36 +151,28 @@ def test_recomputation_lowers_activations_only():
         ({"zero_stage": 4}, "stage", ValueError),
         ({"dp": 0}, "world_size", ValueError),
         ({"tp": 5}, "tp", ValueError),
-        ({"heads": 5}, "heads", ValueError),
-        ({"layers": 0}, "layers", ValueError),
         ({"attention": "sparse"}, "attention", ValueError),
         ({"dropout": 1}, "dropout", TypeError),
     ],
 )
 def test_bad_arguments(kwargs, name, error):
     with pytest.raises(error, match=f"Invalid {name}"):
-        gpt_memory(**{**SHAPE, **kwargs})
+        gpt_memory(SHAPE, **kwargs)
 
 
-def test_bf16_autocast_against_the_formula():
-    # Mixed precision as torch.autocast does it differs from Megatron-LM's, which the
-    # formula describes, in two ways, both measured here exactly: the residual stream
-    # stays float32 (LayerNorm runs in float32), so each LayerNorm's input costs 4 bytes
-    # per element, not 2; and the weights are float32 master copies, so every matrix
-    # product casts its weight to bfloat16 and keeps that copy for the backward pass:
-    # 2 bytes per matrix parameter that the formula (16-bit weights held as parameters)
-    # does not count as activations.
-    vocab, s, layers, heads, h, b = 64, 32, 2, 4, 64, 4
-    gpt = GPT(vocab, s, layers, heads, h)
-    idx, target = torch.randint(vocab, (b, s)), torch.randint(vocab, (b, s))
-    with SavedTensorBytes(gpt) as saved:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = gpt(idx)
-        F.cross_entropy(logits.float().flatten(0, 1), target.flatten()).backward()
-    calc = gpt_memory(
-        layers=layers, hidden=h, heads=heads, seq_len=s, micro_batch=b, vocab=vocab,
-        precision="bf16", dropout=False, attention="fused",
-    )["activations"]  # fmt: skip
-    float32_residual = (2 * layers + 1) * 2 * s * b * h
-    bf16_weight_copies = 2 * (layers * 12 * h * h + vocab * h)
-    assert saved.peak == calc + float32_residual + bf16_weight_copies + _left_out(layers, s, b)
+@pytest.mark.parametrize(
+    "kwargs, name, error",
+    [
+        ({"heads": 5}, "heads", ValueError),
+        ({"layers": 0}, "layers", ValueError),
+        ({"seq_len": 2.0}, "seq_len", TypeError),
+        ({"positions": 0}, "positions", ValueError),
+        ({"tied": "yes"}, "tied", TypeError),
+    ],
+)
+def test_bad_shapes(kwargs, name, error):
+    fields = dict(layers=2, hidden=64, heads=4, seq_len=8, micro_batch=1, vocab=32)
+    with pytest.raises(error, match=f"Invalid {name}"):
+        GPTShape(**{**fields, **kwargs})
+    with pytest.raises(TypeError, match="Invalid shape"):
+        gpt_memory(fields)
