@@ -106,8 +106,22 @@ def torch_powersgd(rank, world_size):
     )
 
 
+def zero_gradients_stay_zero(rank, world_size, hook, make):
+    """One step whose gradients are all zero: the hook must hand back zeros, not NaN."""
+    net = model()
+    ddp = DistributedDataParallel(net)
+    ddp.register_comm_hook(HookState(make), hook)
+    (0.0 * ddp(torch.randn(4, 20))).sum().backward()
+    return all(torch.equal(p.grad, torch.zeros_like(p)) for p in net.parameters())
+
+
 def run_hook_checks(rank, world_size):
+    torch.set_num_threads(1)
     results = {"plain": train(rank, world_size, lambda ddp: None)}
+    results["zeros"] = {
+        name: zero_gradients_stay_zero(rank, world_size, hook, make)
+        for name, (hook, make) in cases(rank).items()
+    }
     for name, (hook, make) in cases(rank).items():
         state, register = with_state(hook, make)
         results[name] = train(rank, world_size, register)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lsdl_lab.compress import QSGD, PowerSGD, RandomK, SignSGD, TernGrad, TopK
+from lsdl_lab.compress import QSGD, ErrorFeedback, PowerSGD, RandomK, SignSGD, TernGrad, TopK
 from lsdl_lab.compress.compressor import flatten_payload, payload_nbytes, unflatten_payload
 
 
@@ -18,6 +18,7 @@ def _k(ratio, d):
 # (compressor, bytes of a float32 tensor of shape (n, m) according to the stated formula)
 COMPRESSORS = {
     "sign": (lambda: SignSGD(), lambda n, m: math.ceil(n * m / 8) + 4),
+    "sign+ef": (lambda: ErrorFeedback(SignSGD()), lambda n, m: math.ceil(n * m / 8) + 4),
     "terngrad": (lambda: TernGrad(seed=0), lambda n, m: math.ceil(2 * n * m / 8) + 4),
     "qsgd1": (lambda: QSGD(1, seed=0), lambda n, m: math.ceil(2 * n * m / 8) + 4),
     "qsgd2": (lambda: QSGD(2, seed=0), lambda n, m: math.ceil(3 * n * m / 8) + 4),
