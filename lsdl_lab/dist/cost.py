@@ -26,7 +26,6 @@ not fitted on.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._util import check_int, check_nonnegative, check_positive
+from .._util import check_choice, check_int, check_nonnegative, check_positive
 
 __all__ = [
     "AlphaBeta",
@@ -130,26 +129,36 @@ def measure_collective(
     repeats: int = 9,
     dtype: torch.dtype = torch.float32,
     group=None,
+    statistic: str = "median",
 ) -> list[float]:
     """Seconds that ``collective(tensor, group=group)`` takes on tensors of each of
-    ``nbytes`` bytes: the median over ``repeats`` calls of the slowest rank's time (a
-    collective is done when its last rank is done). Every rank of the group must call it.
+    ``nbytes`` bytes: the median (or with ``statistic="min"`` the minimum) over ``repeats``
+    calls of the slowest rank's time (a collective is done when its last rank is done).
+    Every rank of the group must call it.
 
-    Each call starts after a barrier, so ranks start together; one call before the timed
-    ones warms the connections and the allocator.
+    The median is the time a program will see on this machine as it is. Another process
+    can only slow a call down, never speed it up, so on a machine shared with other work
+    the minimum is the better estimate of the cost of the collective itself, which is what
+    the alpha-beta model describes (the reason ``timeit`` reports minima).
+
+    Each call starts after a barrier, so ranks start together; one call per size before
+    the timed ones warms the connections and the allocator. The repeats go round the sizes
+    (all sizes, then all again), so a burst of load from another process on the machine
+    lands on every size alike instead of bending the curve at one of them.
     """
     repeats = check_int("repeats", repeats, 1)
+    check_choice("statistic", statistic, ("median", "min"))
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    medians = []
-    for n in nbytes:
-        x = torch.ones(check_int("nbytes", n, itemsize) // itemsize, dtype=dtype)
+    counts = [check_int("nbytes", n, itemsize) // itemsize for n in nbytes]
+    tensors = [torch.ones(count, dtype=dtype) for count in counts]
+    times = torch.empty(repeats, len(tensors), dtype=torch.float64)
+    for x in tensors:
         collective(x, group=group)
-        times = torch.empty(repeats, dtype=torch.float64)
-        for i in range(repeats):
+    for i in range(repeats):
+        for j, x in enumerate(tensors):
             dist.barrier(group)
             start = time.perf_counter()
             collective(x, group=group)
-            times[i] = time.perf_counter() - start
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-        medians.append(statistics.median(times.tolist()))
-    return medians
+            times[i, j] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return (times.median(dim=0) if statistic == "median" else times.min(dim=0)).values.tolist()

@@ -18,24 +18,28 @@ import dist_workers  # noqa: E402
 
 from lsdl_lab.dist import WorkerError, init_from_env, spawn  # noqa: E402
 
+SERVERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
 
 def world_processes() -> set[int]:
-    """This process's descendants, but multiprocessing's resource tracker, which lives as
-    long as the test process by design."""
+    """This process's descendants, but multiprocessing's resource tracker and forkserver,
+    which live as long as the test process by design (the ranks are the server's
+    children, so they are counted)."""
     pids = set()
     for child in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
+            if not any(server in " ".join(child.cmdline()) for server in SERVERS):
                 pids.add(child.pid)
         except psutil.NoSuchProcess:
             pass
     return pids
 
 
-def test_spawn_returns_every_rank_value_in_rank_order():
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_spawn_returns_every_rank_value_in_rank_order(start_method):
     before = world_processes()
     payload = torch.arange(5, dtype=torch.float64)
-    results = spawn(dist_workers.describe, 2, payload, timeout=30)
+    results = spawn(dist_workers.describe, 2, payload, timeout=30, start_method=start_method)
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:
         assert r["dist_rank"] == r["rank"] and r["world_size"] == r["dist_world_size"] == 2
@@ -89,6 +93,18 @@ def test_keyboard_interrupt_in_the_parent_leaves_no_process():
     assert world_processes() == before
 
 
+def test_ranks_see_the_callers_path_and_environment_at_the_call(tmp_path, monkeypatch):
+    spawn(dist_workers.square, 2)  # the forkserver, if any, starts before what follows
+    (tmp_path / "late_worker.py").write_text(
+        "import os\n\ndef work(rank, world_size):\n    return os.environ['LSDL_LATE']\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("LSDL_LATE", "seen")
+    import late_worker
+
+    assert spawn(late_worker.work, 2) == ["seen", "seen"]
+
+
 def test_spawn_refuses_workers_a_new_process_cannot_import():
     notebook = {"__name__": "__main__"}
     exec("def work(rank, world_size):\n    return rank\n", notebook)  # as a notebook cell
@@ -115,6 +131,8 @@ def test_spawn_checks_its_arguments():
         spawn(dist_workers.square, 2, timeout=0)
     with pytest.raises(ValueError, match="Invalid backend: 'mpi'"):
         spawn(dist_workers.square, 2, backend="mpi")
+    with pytest.raises(ValueError, match="Invalid start_method: 'fork'"):
+        spawn(dist_workers.square, 2, start_method="fork")
 
 
 def test_init_from_env_names_the_missing_variable(monkeypatch):
