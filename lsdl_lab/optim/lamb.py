@@ -122,7 +122,8 @@ class LAMB(Optimizer):
             \tau_t &= \phi(\|w_{t-1}\|) / \|u_t\| \\
             w_t &= w_{t-1} - \gamma_t\, \tau_t\, u_t
 
-        per layer; ``bias_correction=False`` drops both corrections. With ``trust=False``
+        per layer, with :math:`\tau_t = 1` for a zero layer or a zero :math:`u_t`;
+        ``bias_correction=False`` drops both corrections. With ``trust=False``
         it is AdamW (:math:`\tau_t = 1`, the decay applied as AdamW applies it).
         """
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
@@ -132,15 +133,15 @@ class LAMB(Optimizer):
         t = self.count_steps(params)
         bc1 = [1 - beta1**k if group["bias_correction"] else 1.0 for k in t]
         bc2 = [1 - beta2**k if group["bias_correction"] else 1.0 for k in t]
-        adam_moments_(m, v, grads, beta1, beta2)
+        adam_moments_(m, v, grads, beta1, beta2)  # m_t, v_t
         if group["trust"]:
-            r = adam_ratio(m, v, bc1, bc2, eps)
-            u = r  # in place: r is not needed once u is built
+            r = adam_ratio(m, v, bc1, bc2, eps)  # m_hat / (sqrt(v_hat) + eps)
+            u = r  # built in r's memory: r is not needed once u is
             if lam:
-                torch._foreach_add_(u, params, alpha=lam)
-            tau = trust_ratio(params, u, group["clamp"])
+                torch._foreach_add_(u, params, alpha=lam)  # u = r + lam w
+            tau = trust_ratio(params, u, group["clamp"])  # phi(||w||) / ||u||
             torch._foreach_mul_(u, [-lr * s for s in tau])
-            torch._foreach_add_(params, u)
+            torch._foreach_add_(params, u)  # w -= lr tau u
         else:  # AdamW's pieces in AdamW's order: AdamW bit for bit
             decoupled_weight_decay_(params, lr, lam)
             denom = adam_denominator(v, bc2, eps)

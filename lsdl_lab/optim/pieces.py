@@ -1,8 +1,9 @@
 r"""The update pieces several optimizers share, each a small function on lists of tensors.
 
-Each piece performs torch.optim's ``_multi_tensor_*`` operations in torch.optim's order,
-so every optimizer that is built from them keeps agreeing with its torch.optim namesake
-bit for bit. A piece whose name ends in ``_`` changes its first argument in place.
+Each piece that torch.optim also computes performs its ``_multi_tensor_*`` operations in
+torch.optim's order, so every optimizer built from them keeps agreeing with its torch.optim
+namesake bit for bit. A piece whose name ends in ``_`` changes its first argument in place;
+the others return new tensors (or, where they say so, update buffers given to them).
 
 * :func:`coupled_weight_decay`: :math:`g + \lambda w` (L2 regularization, SGD, Adam, ...).
 * :func:`decoupled_weight_decay_`: :math:`w \leftarrow (1 - \eta\lambda)\, w` (AdamW,
