@@ -43,12 +43,12 @@ def data():
     return x, y
 
 
-def train(rank, world_size, register, before_step=None, steps=STEPS):
+def train(rank, world_size, register, before_step=None, steps=STEPS, bucket_cap_mb=25.0):
     """Train with the hook that ``register(ddp)`` installs; the loss on all the data before
     and after, the flat parameters and the number of buckets DDP made."""
     x, y = data()
     net = model()
-    ddp = DistributedDataParallel(net)
+    ddp = DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
     register(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     loss = nn.functional.mse_loss
@@ -126,6 +126,11 @@ def run_hook_checks(rank, world_size):
         state, register = with_state(hook, make)
         results[name] = train(rank, world_size, register)
         results[name].update(bytes_sent=state.bytes_sent, steps=state.steps)
+    # 100-byte buckets: DDP rebuilds its one first-step bucket into several after step 0, and
+    # the residuals must follow the parameters, not the bucket index
+    state, register = with_state(allgather_hook, lambda: ErrorFeedback(SignSGD()))
+    results["sign+ef-small-buckets"] = train(rank, world_size, register, bucket_cap_mb=0.0001)
+    results["sign+ef-small-buckets"].update(buckets_kept=len(state.memory))
     state, register = with_state(powersgd_hook, lambda: PowerSGD(2), start_iter=START)
     results["powersgd-start2"] = train(rank, world_size, register)
     results["powersgd-start2"].update(bytes_sent=state.bytes_sent, steps=state.steps)

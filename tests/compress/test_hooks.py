@@ -44,6 +44,11 @@ def test_every_hook_trains_and_replicas_stay_identical(ranks):
                 assert not torch.equal(result["params"], first["plain"]["params"]), name
 
 
+def test_state_follows_the_parameters_when_ddp_rebuilds_its_buckets(ranks):
+    # the first step's single bucket, then at least two smaller ones, each with its residual
+    assert all(rank["sign+ef-small-buckets"]["buckets_kept"] >= 3 for rank in ranks)
+
+
 def test_an_all_zero_bucket_comes_back_zero_not_nan(ranks):
     for rank in ranks:
         assert rank["zeros"] == dict.fromkeys(worker.cases(0), True)
