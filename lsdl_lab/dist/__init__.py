@@ -8,6 +8,8 @@
   deadlocks.
 * :mod:`~lsdl_lab.dist.cost`: the alpha-beta model of ring, tree and parameter-server
   all-reduce, measured and fitted on the world at hand.
+* :mod:`~lsdl_lab.dist.param_server`: push and pull over point-to-point; synchronous and
+  asynchronous SGD with bounded staleness.
 """
 
 from .collectives import (
@@ -25,6 +27,7 @@ from .cost import (
     ring_all_reduce_time,
     tree_all_reduce_time,
 )
+from .param_server import all_reduce_sgd, asynchronous_sgd, pull, push, synchronous_sgd
 from .world import (
     WorkerError,
     call_each,
@@ -38,9 +41,13 @@ from .world import (
 
 __all__ = [
     "AlphaBeta",
+    "all_reduce_sgd",
+    "asynchronous_sgd",
     "fit_alpha_beta",
     "measure_collective",
     "parameter_server_all_reduce_time",
+    "pull",
+    "push",
     "ring_all_reduce_time",
     "tree_all_reduce_time",
     "WorkerError",
@@ -54,6 +61,7 @@ __all__ = [
     "ring_all_reduce",
     "ring_reduce_scatter",
     "spawn",
+    "synchronous_sgd",
     "tree_all_reduce",
     "world_from_env",
 ]

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 from lsdl_lab.dist import (
+    all_reduce_sgd,
+    asynchronous_sgd,
     fit_alpha_beta,
     measure_collective,
     naive_ring_all_reduce_blocking,
@@ -17,6 +19,7 @@ from lsdl_lab.dist import (
     ring_all_reduce,
     ring_all_reduce_time,
     ring_reduce_scatter,
+    synchronous_sgd,
     tree_all_reduce,
 )
 
@@ -177,3 +180,39 @@ def fitted_ring(rank, world_size, nbytes, held_out, attempts):
         if abs(predicted - measured) <= 0.25 * measured:
             break
     return tries
+
+
+# -- the parameter server --------------------------------------------------------------------
+
+ROWS, DIM, BATCH = 96, 5, 8
+
+
+def least_squares():
+    """A float64 least-squares problem, the same on every rank: rows of X, targets y."""
+    gen = torch.Generator().manual_seed(7)
+    X = torch.randn(ROWS, DIM, generator=gen, dtype=torch.float64)
+    w_true = torch.randn(DIM, generator=gen, dtype=torch.float64)
+    return X, X @ w_true + 0.1 * torch.randn(ROWS, generator=gen, dtype=torch.float64)
+
+
+def shard_gradient(w, worker, k, workers=3):
+    """The mini-batch gradient of 1/2 mean (Xw - y)^2 on worker's shard, batch k (a
+    function of (w, worker, k) alone, so every run can be replayed in one process)."""
+    X, y = least_squares()
+    rows = torch.arange(worker, ROWS, workers)
+    pick = torch.randperm(len(rows), generator=torch.Generator().manual_seed(1000 * worker + k))
+    rows = rows[pick[:BATCH]]
+    time.sleep(0.002 * worker)  # workers of different speeds, so asynchrony shows
+    return X[rows].T @ (X[rows] @ w - y[rows]) / BATCH
+
+
+def param_server_report(rank, world_size, lr, steps):
+    """Synchronous PS SGD, all-reduce SGD, and asynchronous SGD at staleness 0, 1, 2."""
+    w0 = torch.zeros(DIM, dtype=torch.float64)
+    report = {
+        "sync": synchronous_sgd(rank, world_size, w0, shard_gradient, lr, steps),
+        "all_reduce": all_reduce_sgd(rank, world_size, w0, shard_gradient, lr, steps),
+    }
+    for s in (0, 1, 2):
+        report[s] = asynchronous_sgd(rank, world_size, w0, shard_gradient, lr, steps, s)
+    return report
