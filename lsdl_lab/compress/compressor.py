@@ -10,7 +10,6 @@ payload's tensors, exactly what a collective is handed.
 from __future__ import annotations
 
 import abc
-import math
 from typing import NamedTuple
 
 import torch
@@ -49,11 +48,6 @@ def unflatten_payload(flat: torch.Tensor, like: NamedTuple) -> NamedTuple:
     # clone: a slice at an odd byte offset cannot be viewed as a wider dtype
     tensors = [c.clone().view(t.dtype).reshape(t.shape) for c, t in zip(chunks, like_tensors)]
     return with_wire_tensors(like, tensors)
-
-
-def numel(shape: torch.Size) -> int:
-    """Entries of a tensor of this shape."""
-    return math.prod(shape)
 
 
 class Compressor(abc.ABC):

@@ -19,7 +19,7 @@ import torch
 
 from .._util import check_int, generator
 from .bits import pack_bits, unpack_bits
-from .compressor import Compressor, numel
+from .compressor import Compressor
 
 
 class Packed(NamedTuple):
@@ -72,7 +72,7 @@ class SignSGD(Compressor):
         return Packed(pack_bits(negative, 1), scale, tensor.shape)
 
     def decompress(self, payload: Packed) -> torch.Tensor:
-        negative = unpack_bits(payload.bits, 1, numel(payload.shape))
+        negative = unpack_bits(payload.bits, 1, payload.shape.numel())
         sign = 1 - 2 * negative.to(payload.scale.dtype)
         return (payload.scale * sign).reshape(payload.shape)
 
@@ -100,7 +100,7 @@ class TernGrad(Compressor):
         return Packed(pack_bits(ternary + 1, 2), s, tensor.shape)
 
     def decompress(self, payload: Packed) -> torch.Tensor:
-        ternary = unpack_bits(payload.bits, 2, numel(payload.shape)) - 1
+        ternary = unpack_bits(payload.bits, 2, payload.shape.numel()) - 1
         return (payload.scale * ternary).reshape(payload.shape)
 
 
@@ -134,5 +134,5 @@ class QSGD(Compressor):
         return Packed(pack_bits(code, self.width), norm, tensor.shape)
 
     def decompress(self, payload: Packed) -> torch.Tensor:
-        level = unpack_bits(payload.bits, self.width, numel(payload.shape)) - self.levels
+        level = unpack_bits(payload.bits, self.width, payload.shape.numel()) - self.levels
         return (payload.scale / self.levels * level).reshape(payload.shape)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .._util import check_bool, check_int, check_real, generator
-from .compressor import Compressor, numel
+from .compressor import Compressor
 
 
 def _k_of(ratio: float, d: int) -> int:
@@ -65,7 +65,7 @@ class TopK(Compressor):
         return Sparse(flat[indices], indices.to(torch.int32), tensor.shape)
 
     def decompress(self, payload: Sparse) -> torch.Tensor:
-        out = payload.values.new_zeros(numel(payload.shape))
+        out = payload.values.new_zeros(payload.shape.numel())
         out[payload.indices.long()] = payload.values
         return out.reshape(payload.shape)
 
@@ -106,7 +106,7 @@ class RandomK(Compressor):
         return Sampled(flat[indices], self.step - 1, tensor.shape)
 
     def decompress(self, payload: Sampled) -> torch.Tensor:
-        d = numel(payload.shape)
+        d = payload.shape.numel()
         indices = self.indices(d, payload.step).to(payload.values.device)
         gamma = d / indices.numel() if self.scaled else 1.0
         out = payload.values.new_zeros(d)
