@@ -101,9 +101,9 @@ class RandomK(Compressor):
 
     def compress(self, tensor: torch.Tensor) -> Sampled:
         flat = tensor.reshape(-1)
-        indices = self.indices(flat.numel(), self.step).to(flat.device)
-        self.step += 1
-        return Sampled(flat[indices], self.step - 1, tensor.shape)
+        step, self.step = self.step, self.step + 1
+        indices = self.indices(flat.numel(), step).to(flat.device)
+        return Sampled(flat[indices], step, tensor.shape)
 
     def decompress(self, payload: Sampled) -> torch.Tensor:
         d = payload.shape.numel()
