@@ -16,8 +16,10 @@ the order in which a stage runs its m forwards (F) and m backwards (B):
 
 With equal stages (forward t_f, backward t_b per micro-batch), both schedules take
 ``(m + p - 1)(t_f + t_b)``, of which each stage is idle ``(p - 1)(t_f + t_b)``: the
-*bubble* fraction (p - 1)/(m + p - 1) (Narayanan et al., 2021, Section 2.2), which only
-more micro-batches shrink; 1F1B saves memory, not time.
+*bubble* is the fraction (p - 1)/(m + p - 1) of the step (GPipe's O((K - 1)/(M + K - 1))
+with K stages and M micro-batches, Huang et al., 2019, Section 2.2), or (p - 1)/m of the
+ideal time m(t_f + t_b) as Narayanan et al. (2021, Section 2.2.1) write it. Only more
+micro-batches shrink it; 1F1B saves memory, not time.
 
 :func:`pipeline_step` runs one step on the calling rank and measures what the equations
 predict: busy and total time (so the bubble) and the peak number of activations in
@@ -130,6 +132,7 @@ def pipeline_step(
     """
     p, s = dist.get_world_size(group), dist.get_rank(group)
     m = check_int("micro_batches", micro_batches, 1)
+    activation_shape = tuple(check_int("activation_shape", d, 1) for d in activation_shape)
     actions = SCHEDULES[check_choice("schedule", schedule, tuple(SCHEDULES))](p, s, m)
     first, last = s == 0, s == p - 1
     for name, value, needed in (("inputs", inputs, first), ("targets", targets, last)):
@@ -144,7 +147,7 @@ def pipeline_step(
         return stage if group is None else dist.get_global_rank(group, stage)
 
     def receive(src):
-        x = torch.empty(tuple(activation_shape), dtype=dtype)
+        x = torch.empty(activation_shape, dtype=dtype)
         dist.irecv(x, peer(src), group=group).wait()
         return x
 
@@ -161,21 +164,19 @@ def pipeline_step(
                 loss += y.item()
             in_flight[j] = (x, y)  # the graph behind y holds the micro-batch's activations
             peak = max(peak, len(in_flight))
+            send = None if last else (y.detach(), s + 1)
         else:
             x, y = in_flight.pop(j)
             dy = None if last else receive(s + 1)
             start = time.perf_counter()
             torch.autograd.backward(y, dy)
+            send = None if first else (x.grad, s - 1)
         stop = time.perf_counter()
         busy += stop - start
         timeline.append((action, j, start - t0, stop - t0))
-        out = y.detach() if action == "F" and not last else None
-        out = x.grad if action == "B" and not first else out
-        if out is not None:  # non-blocking, or two stages sending to each other deadlock
-            out = out.contiguous()
-            sends.append(
-                (dist.isend(out, peer(s + 1 if action == "F" else s - 1), group=group), out)
-            )
+        if send is not None:  # non-blocking: two stages sending to each other would deadlock
+            out = send[0].contiguous()
+            sends.append((dist.isend(out, peer(send[1]), group=group), out))
     for work, _ in sends:
         work.wait()
     dist.barrier(group)

@@ -4,6 +4,7 @@ builds the dense model from the same seed and compares its own shard with it, so
 small reports travel back."""
 
 import copy
+import functools
 import time
 from contextlib import contextmanager
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lsdl_lab.models import GPT, TransformerBlock
+from lsdl_lab.models import GPT, CausalSelfAttention, TransformerBlock
 from lsdl_lab.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -42,6 +43,15 @@ def counting_all_reduces():
         yield calls
     finally:
         dist.all_reduce = original
+
+
+def refusal(fn, *args, **kwargs):
+    """The type and message of the error ``fn`` raises (before any message is sent)."""
+    try:
+        fn(*args, **kwargs)
+    except (TypeError, ValueError) as error:
+        return type(error).__name__, str(error)
+    return None
 
 
 def _error(a, b):
@@ -125,6 +135,12 @@ def tensor_parallel_report(rank, world_size):
     idx = torch.randint(0, 11, (B, 8))
     gpt_slices = {f"blocks.{i}.{k}": v for i in range(2) for k, v in block_slices.items()}
     reports["gpt"] = _compare(gpt, tensor_parallel_gpt(gpt), idx, idx, gpt_slices)
+    reports["refusals"] = {
+        "shard": refusal(shard, torch.ones(3, 4), 0),
+        "heads": refusal(TensorParallelAttention.from_dense, CausalSelfAttention(DIM, 1, 0.0)),
+        "dropout": refusal(TensorParallelBlock, TransformerBlock(DIM, HEADS, 0.1)),
+        "mlp": refusal(TensorParallelMLP.from_dense, nn.Sequential(nn.Linear(2, 2))),
+    }
     return reports
 
 
@@ -190,6 +206,13 @@ def pipeline_report(rank, world_size):
             schedule=schedule,
         )
         reports[schedule] = {"report": r, "grad_errors": _against(reference, stage)}
+    step = functools.partial(pipeline_step, reference, MICRO, loss_fn=summed_mse)
+    inputs, targets = x.chunk(MICRO), y.chunk(MICRO)
+    reports["refusals"] = {
+        "schedule": refusal(step, (2, 8), inputs, targets, schedule="zigzag"),
+        "activation_shape": refusal(step, (0, 8), inputs, targets),
+        "micro_batches": refusal(step, (2, 8), x.chunk(2), y.chunk(2)),
+    }
     return reports
 
 
@@ -234,13 +257,13 @@ class SleepStage(nn.Module):
 
 
 def timed_pipeline(rank, world_size, micro_batches, forward_s, backward_s):
-    """Both schedules on stages of known compute time, each after an untimed step (the
-    first backward in a process imports sympy, 1.5 s): each stage's report."""
+    """Both schedules on stages of known compute time, after an untimed step (the first
+    backward in a process imports sympy, 1.5 s): each stage's report."""
     x = torch.ones(micro_batches, 1, 4)
 
-    def step(schedule):
+    def step(schedule, stage):
         return pipeline_step(
-            SleepStage(forward_s, backward_s),
+            stage,
             micro_batches,
             (1, 4),
             inputs=x,
@@ -249,5 +272,5 @@ def timed_pipeline(rank, world_size, micro_batches, forward_s, backward_s):
             schedule=schedule,
         )
 
-    step("gpipe")  # untimed
-    return {schedule: step(schedule) for schedule in ("gpipe", "1f1b")}
+    step("gpipe", SleepStage(0.0, 0.0))
+    return {s: step(s, SleepStage(forward_s, backward_s)) for s in ("gpipe", "1f1b")}

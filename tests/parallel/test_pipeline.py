@@ -22,10 +22,12 @@ from lsdl_lab.parallel import (  # noqa: E402
 )
 
 FLOAT64 = 1e-12
-FORWARD_S, BACKWARD_S = 0.02, 0.04  # a backward costs about two forwards
-# Messages, barriers and oversleeping on 2 shared cores add idle time: the measured
-# bubble may exceed the equation's by this much (absolute; measured: see the report).
-BUBBLE_TOLERANCE = 0.06
+FORWARD_S, BACKWARD_S = 0.03, 0.06  # a backward costs about two forwards
+# Each message and the barriers add a few ms to the step's critical path (more with 4
+# ranks on 2 shared cores), which the equation leaves out: at p = 4, m = 8 the measured
+# bubble exceeded 3/11 = 0.273 by 0.01 to 0.04 with these times (0.03 to 0.07 with 20 ms
+# forwards). A pipeline run without overlap would measure 1 - 1/p (0.5 and 0.75 here).
+BUBBLE_TOLERANCE = 0.08
 
 
 def timed(micro_batches):
@@ -99,13 +101,24 @@ def test_the_stages_ran_their_schedule(world2):
             assert ran == schedule(2, rank, pw.MICRO)
 
 
+def test_bad_pipeline_arguments_are_refused(world2):
+    for rank, (r, _) in enumerate(world2):
+        refusals = r["refusals"]
+        assert refusals["schedule"][0] == "ValueError" and "schedule" in refusals["schedule"][1]
+        assert refusals["activation_shape"][0] == "ValueError"
+        assert "Invalid activation_shape: 0" in refusals["activation_shape"][1]
+        which = "inputs" if rank == 0 else "targets"
+        expected = f"Invalid {which} on stage {rank}: expected {pw.MICRO} micro-batches"
+        assert refusals["micro_batches"] == ("ValueError", expected)
+
+
 def _peaks(world, schedule):
     return [ranks[schedule].peak_in_flight for ranks in world]
 
 
 def test_peak_activations_in_flight(world2, world4):
     timed2 = [ranks[1] for ranks in world2]
-    grads2 = [{k: v["report"] for k, v in ranks[0].items() if k != "loss"} for ranks in world2]
+    grads2 = [{k: ranks[0][k]["report"] for k in ("gpipe", "1f1b")} for ranks in world2]
     for world, m in ((timed2, 4), (grads2, pw.MICRO), (world4, 8)):
         p = len(world)
         assert _peaks(world, "gpipe") == [m] * p
@@ -119,7 +132,7 @@ def test_measured_bubble_is_the_equations(world2, world4, schedule):
         for r in world:
             report = r[schedule]
             assert report.busy_s >= m * (FORWARD_S + BACKWARD_S)
-            assert expected <= report.bubble + 0.02, (p, m, report.stage, report.bubble)
+            assert expected - 0.02 <= report.bubble, (p, m, report.stage, report.bubble)
             assert report.bubble <= expected + BUBBLE_TOLERANCE, (p, m, report.stage, report.bubble)
 
 

@@ -58,3 +58,13 @@ def test_each_rank_holds_half_of_each_split_weight(reports):
     assert shapes["mlp.0.weight"] == (2 * d, d)
     assert shapes["mlp.2.weight"] == (d, 2 * d)
     assert shapes["ln1.weight"] == (d,)
+
+
+def test_bad_shards_are_refused(reports):
+    refusals = reports[0]["refusals"]
+    assert refusals["shard"][0] == "ValueError" and "multiple of" in refusals["shard"][1]
+    assert refusals["heads"] == ("ValueError", "Invalid heads: 1 (expected a multiple of 2 ranks)")
+    assert (
+        refusals["dropout"][0] == "ValueError" and "Invalid dropout: 0.1" in refusals["dropout"][1]
+    )
+    assert refusals["mlp"][0] == "TypeError" and refusals["mlp"][1].startswith("Invalid mlp")
