@@ -187,25 +187,36 @@ def _against(reference, stage):
     return {name: _error(p.grad, grads[name].grad) for name, p in stage.named_parameters()}
 
 
-def pipeline_report(rank, world_size):
-    """Both schedules at m = 4: the stage's gradients against the single process's, the
-    loss, the peak in flight and the order of actions run."""
+def _each_schedule(rank, world_size, run):
+    """``run(stage, x, y, schedule)`` on a fresh copy of this rank's stage, for both
+    schedules: its result with the stage's gradient errors, and the single process's loss
+    and stage."""
     loss, reference = _single_process(rank, world_size)
     x, y = batch()
     reports = {"loss": loss}
     for schedule in ("gpipe", "1f1b"):
         stage = copy.deepcopy(reference)
         stage.zero_grad()
-        r = pipeline_step(
-            stage,
-            MICRO,
-            (BATCH // MICRO, WIDTH),
-            inputs=x.chunk(MICRO),
-            targets=y.chunk(MICRO),
-            loss_fn=summed_mse,
-            schedule=schedule,
-        )
-        reports[schedule] = {"report": r, "grad_errors": _against(reference, stage)}
+        result = run(stage, x, y, schedule)
+        reports[schedule] = {"result": result, "grad_errors": _against(reference, stage)}
+    return reports, reference
+
+
+def _our_step(stage, x, y, schedule):
+    inputs, targets = x.chunk(MICRO), y.chunk(MICRO)
+    shape = (BATCH // MICRO, WIDTH)
+    return pipeline_step(stage, MICRO, shape, inputs, targets, summed_mse, schedule)
+
+
+def _torch_step(stage, x, y, schedule):
+    return torch_pipeline_step(stage, MICRO, x, y, summed_mse, schedule)
+
+
+def pipeline_report(rank, world_size):
+    """Both schedules at m = 4 (each stage's report, its gradients against the single
+    process's) and the arguments refused."""
+    reports, reference = _each_schedule(rank, world_size, _our_step)
+    x, y = batch()
     step = functools.partial(pipeline_step, reference, MICRO, loss_fn=summed_mse)
     inputs, targets = x.chunk(MICRO), y.chunk(MICRO)
     reports["refusals"] = {
@@ -217,17 +228,9 @@ def pipeline_report(rank, world_size):
 
 
 def torch_pipeline_report(rank, world_size):
-    """The same step with torch.distributed.pipelining, both schedules: the stage's gradient
-    errors, and the summed loss it returns against the single process's."""
-    loss, reference = _single_process(rank, world_size)
-    x, y = batch()
-    reports = {"loss": loss}
-    for schedule in ("gpipe", "1f1b"):
-        stage = copy.deepcopy(reference)
-        stage.zero_grad()
-        got = torch_pipeline_step(stage, MICRO, x, y, summed_mse, schedule)
-        reports[schedule] = {"loss": got, "grad_errors": _against(reference, stage)}
-    return reports
+    """The same with torch.distributed.pipelining: its summed loss (last stage) and the
+    stage's gradients against the single process's."""
+    return _each_schedule(rank, world_size, _torch_step)[0]
 
 
 class Sleep(torch.autograd.Function):

@@ -90,14 +90,14 @@ def test_pipeline_gradients_equal_the_single_process(world2, schedule):
         errors = r[schedule]["grad_errors"]
         assert len(errors) == 4, errors  # two linear layers per stage
         assert max(errors.values()) < FLOAT64, (rank, errors)
-    assert reports[0][schedule]["report"].loss is None
-    assert reports[1][schedule]["report"].loss == pytest.approx(reports[1]["loss"], rel=1e-13)
+    assert reports[0][schedule]["result"].loss is None
+    assert reports[1][schedule]["result"].loss == pytest.approx(reports[1]["loss"], rel=1e-13)
 
 
 def test_the_stages_ran_their_schedule(world2):
     for rank, (r, _) in enumerate(world2):
         for name, schedule in (("gpipe", gpipe_schedule), ("1f1b", one_f_one_b_schedule)):
-            ran = [(a, j) for a, j, *_ in r[name]["report"].timeline]
+            ran = [(a, j) for a, j, *_ in r[name]["result"].timeline]
             assert ran == schedule(2, rank, pw.MICRO)
 
 
@@ -118,7 +118,7 @@ def _peaks(world, schedule):
 
 def test_peak_activations_in_flight(world2, world4):
     timed2 = [ranks[1] for ranks in world2]
-    grads2 = [{k: ranks[0][k]["report"] for k in ("gpipe", "1f1b")} for ranks in world2]
+    grads2 = [{k: ranks[0][k]["result"] for k in ("gpipe", "1f1b")} for ranks in world2]
     for world, m in ((timed2, 4), (grads2, pw.MICRO), (world4, 8)):
         p = len(world)
         assert _peaks(world, "gpipe") == [m] * p
@@ -153,6 +153,6 @@ def test_torch_pipelining_gives_the_same_gradients(torch_reference, schedule):
     for rank, r in enumerate(torch_reference):
         errors = r[schedule]["grad_errors"]
         assert len(errors) == 4 and max(errors.values()) < FLOAT64, (rank, errors)
-    assert torch_reference[0][schedule]["loss"] is None
+    assert torch_reference[0][schedule]["result"] is None
     last = torch_reference[1]
-    assert last[schedule]["loss"] == pytest.approx(last["loss"], rel=1e-13)
+    assert last[schedule]["result"] == pytest.approx(last["loss"], rel=1e-13)
