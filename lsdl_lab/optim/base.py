@@ -72,9 +72,15 @@ class Optimizer(torch.optim.Optimizer):
 
     @classmethod
     def flags(cls) -> list[str]:
-        """The names of the constructor's flags: its arguments with a bool default."""
-        parameters = inspect.signature(cls.__init__).parameters.values()
-        return [p.name for p in parameters if isinstance(p.default, bool)]
+        """The names of the flags: the constructors' arguments with a bool default, this
+        class's and its bases' (``AdamW`` fixes ``Adam``'s ``decoupled_weight_decay``)."""
+        names = {}
+        for klass in cls.__mro__:
+            if issubclass(klass, Optimizer) and klass is not Optimizer:
+                for p in inspect.signature(klass.__init__).parameters.values():
+                    if isinstance(p.default, bool):
+                        names.setdefault(p.name, None)
+        return list(names)
 
     def _check_group(self, group: dict) -> None:
         """The hyperparameters many optimizers share, checked once here; then ``check``."""

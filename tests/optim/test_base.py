@@ -35,6 +35,15 @@ def test_a_new_flag_is_checked_without_a_line_of_its_own():
     assert len(opt.param_groups) == 1
 
 
+def test_a_flag_of_a_base_class_is_checked_too():
+    opt = optim.AdamW([torch.zeros(2, requires_grad=True)])
+    assert "decoupled_weight_decay" in optim.AdamW.flags()
+    with pytest.raises(TypeError, match="Invalid decoupled_weight_decay: 'yes'"):
+        opt.add_param_group(
+            dict(params=[torch.zeros(1, requires_grad=True)], decoupled_weight_decay="yes")
+        )
+
+
 def test_messages_say_what_was_expected():
     w = [torch.zeros(2, requires_grad=True)]
     with pytest.raises(TypeError, match=re.escape(
