@@ -91,25 +91,24 @@ def reduce_from_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
     return ReduceFromParallel.apply(x, group)
 
 
-def _rank_and_size(group) -> tuple[int, int]:
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def shard(t: torch.Tensor, dim: int, group=None, parts: int = 1) -> torch.Tensor:
     """This rank's block of ``t`` along ``dim``. With ``parts > 1``, ``t`` is ``parts``
     stacked blocks (attention's q, k and v) and the rank takes its share of each, so that
     q, k and v of the same heads land on the same rank."""
-    rank, size = _rank_and_size(group)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
     check_int("parts", parts, 1)
     if t.shape[dim] % (parts * size):
         raise ValueError(
-            f"Invalid dim {dim} of size {t.shape[dim]} (expected a multiple of "
+            f"Invalid t: size {t.shape[dim]} along dim {dim} (expected a multiple of "
             f"parts * world size = {parts} * {size})"
         )
     return torch.cat([p.chunk(size, dim)[rank] for p in t.chunk(parts, dim)], dim).clone()
 
 
 class _ShardedLinear(nn.Module):
+    """A linear layer's shard: this rank's ``weight`` and ``bias`` (``from_dense`` cuts
+    them out of a dense ``nn.Linear``), its all-reduces over ``group``."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None):
         super().__init__()
         self.group = group
