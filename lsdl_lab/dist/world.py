@@ -17,11 +17,13 @@ Both pass a ``timeout`` to ``init_process_group``: a collective that can never c
 forever. gloo runs on CPUs; NCCL is chosen when CUDA is present and there is a GPU for
 every local rank.
 
-Spawning costs 1-3 s (each process imports torch), so run many checks in one world:
+A fresh Python per rank (the ``spawn`` start method) costs 1-3 s a world, as each rank
+imports torch; the default ``forkserver`` imports torch once and forks the ranks from a
+server (0.1-0.3 s a world). Either way, run many checks in one world:
 ``spawn(call_each, 2, [check_a, check_b])`` returns every check's result from every rank.
 
-The worker must be a function importable from a module: the ``spawn`` start method
-pickles it by name and the new process imports it. A function defined in a notebook
+The worker must be a function importable from a module: it is pickled by name and each
+new rank imports it. A function defined in a notebook
 (``__main__``) would make each process re-run the notebook (pytorch issue #20375), and a
 lambda or a function defined inside another function cannot be found by name at all;
 both are refused with an error that says so.
@@ -240,14 +242,23 @@ def _rank_main(job: bytes, rank, world_size, port, backend, timeout, conn, calle
     destroy()
 
 
-def _stop(processes) -> None:
-    """Terminate (SIGTERM), then kill (SIGKILL) whatever is still alive after a grace."""
+def _join_all(processes, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+
+
+def _stop(processes, exiting: bool) -> None:
+    """Let ranks that are ``exiting`` (all results in) leave the group and end by
+    themselves; then terminate (SIGTERM) what is alive, and kill (SIGKILL) what is still
+    alive after a grace."""
+    if exiting:
+        _join_all(processes, GRACE_S)
     for p in processes:
         if p.is_alive():
             p.terminate()
-    deadline = time.monotonic() + GRACE_S
+    _join_all(processes, GRACE_S)
     for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
             p.join()
@@ -291,7 +302,7 @@ def spawn(
         ctx.set_forkserver_preload([__name__])  # torch imported once, by the server
     port, caller = free_port(), (os.getpid(), dict(os.environ), list(sys.path))
     job = pickle.dumps((fn, args))
-    processes, readers = [], []
+    processes, readers, done = [], [], False
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
@@ -305,13 +316,14 @@ def spawn(
             processes.append(p)
             readers.append(reader)
         results, errors = _collect(processes, readers)
+        done = not errors
         if errors:
             first = min(errors, key=lambda r: errors[r][0])
             others = {r: e[1].strip().splitlines()[-1] for r, e in errors.items() if r != first}
             raise WorkerError(first, world_size, errors[first][1], others)
         return [pickle.loads(results[rank]) for rank in range(world_size)]
     finally:
-        _stop(processes)
+        _stop(processes, exiting=done)
         for reader in readers:
             reader.close()
 
