@@ -7,6 +7,8 @@
 * :mod:`~lsdl_lab.memory.checkpoint` -- activation checkpointing (Chen et al. 2016).
 * :mod:`~lsdl_lab.memory.zero` -- bytes per rank under ZeRO's stages (Rajbhandari et al.
   2020).
+* :mod:`~lsdl_lab.memory.sharded` -- ZeRO's stages 1-3 on a real process group
+  (:class:`ZeroOptimizer`).
 * :mod:`~lsdl_lab.memory.calculator` -- bytes per rank of each category for training a
   GPT, activations by Korthikanti et al. (2022).
 """
@@ -28,6 +30,7 @@ from .checkpoint import (
 )
 from .measure import SavedTensorBytes, format_bytes, format_table, measure, measure_by_dtype
 from .precision import LossScaler, amp_step, bf16_range_vs_precision, fp16_underflow
+from .sharded import ZeroOptimizer
 from .zero import zero_bytes
 
 __all__ = [
@@ -52,4 +55,5 @@ __all__ = [
     "sweep",
     "theoretical_peak",
     "zero_bytes",
+    "ZeroOptimizer",
 ]

@@ -1,0 +1,180 @@
+"""Workers for the ZeRO tests: one world runs every check (a spawned rank imports its
+worker by module and name, so they live here, on ``sys.path``, not in the test file).
+
+Every run trains the same float64 MLP for ``STEPS`` Adam steps on the same global batch of
+``GLOBAL_BATCH`` rows, each rank taking its contiguous half, and records the whole
+parameters after each step."""
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from lsdl_lab import optim
+from lsdl_lab.memory import LossScaler, ZeroOptimizer, measure
+
+STEPS = 4
+GLOBAL_BATCH = 8
+LR = 0.05
+# Units of 49, 40 and 18 parameters: the first pads to 50 at world 2.
+SIZES = ((6, 7), (7, 5), (5, 3))
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for fan_in, fan_out in SIZES:
+        layers += [nn.Linear(fan_in, fan_out), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).double()
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(GLOBAL_BATCH, SIZES[0][0], generator=g, dtype=torch.float64),
+            torch.randn(GLOBAL_BATCH, SIZES[-1][1], generator=g, dtype=torch.float64),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def local(batch, rank, world_size):
+    rows = GLOBAL_BATCH // world_size
+    return tuple(t[rank * rows : (rank + 1) * rows] for t in batch)
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def train(model, optimizer, batches, params_of, scaler=None) -> list[torch.Tensor]:
+    """``STEPS`` steps; the whole parameters (``params_of()``) after each."""
+    trajectory = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        trajectory.append(flat(params_of()))
+    return trajectory
+
+
+def reference(opt_class) -> list[torch.Tensor]:
+    """One process, the global batch: the oracle."""
+    model = make_model()
+    opt = opt_class(model.parameters(), lr=LR)
+    return train(model, opt, global_batches(), model.parameters)
+
+
+def ddp(rank, world_size, opt_class):
+    model = DistributedDataParallel(make_model())
+    opt = opt_class(model.parameters(), lr=LR)
+    batches = [local(b, rank, world_size) for b in global_batches()]
+    trajectory = train(model, opt, batches, model.parameters)
+    return trajectory, measure(model.module, opt)
+
+
+def zero(rank, world_size, stage, opt_class):
+    model = make_model()
+    opt = ZeroOptimizer(model, opt_class, stage=stage, lr=LR)
+    batches = [local(b, rank, world_size) for b in global_batches()]
+    trajectory = train(model, opt, batches[:-1], opt.full_parameters)
+    # The last step: communication counted, bytes measured before the gradients go.
+    x, y = batches[-1]
+    opt.zero_grad()
+    with count_collectives() as counts:
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    held = opt.held_bytes()
+    trajectory.append(flat(opt.full_parameters()))
+    return {
+        "trajectory": trajectory,
+        "counts": counts,
+        "held": held,
+        "measure": measure(model, opt),
+        "padded": sum(u.padded for u in opt.units),
+        "numel": sum(p.numel() for p in make_model().parameters()),
+    }
+
+
+def zero_redundancy(rank, world_size):
+    model = DistributedDataParallel(make_model())
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
+    batches = [local(b, rank, world_size) for b in global_batches()]
+    return train(model, opt, batches, model.parameters)
+
+
+def fsdp2(rank, world_size):
+    model = make_model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    batches = [local(b, rank, world_size) for b in global_batches()]
+    return train(model, opt, batches, lambda: [p.full_tensor() for p in model.parameters()])
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Elements handed to each collective ZeroOptimizer calls, counted the paper's way: the
+    whole tensor an all-gather assembles or a reduce-scatter reduces."""
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def counted_gather(output, input, *args, **kwargs):
+        counts["all_gather"] += output.numel()
+        return gather(output, input, *args, **kwargs)
+
+    def counted_scatter(output, input, *args, **kwargs):
+        counts["reduce_scatter"] += input.numel()
+        return scatter(output, input, *args, **kwargs)
+
+    dist.all_gather_single, dist.reduce_scatter_single = counted_gather, counted_scatter
+    try:
+        yield counts
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+
+
+def skip_decisions(rank, world_size, stage, share):
+    """A LossScaler step with an inf in rank 1's shard of the gradient only: does each rank
+    skip, and what is its scale after? ``share``: all-reduce the decision over the world."""
+    model = make_model()
+    opt = ZeroOptimizer(model, optim.Adam, stage=stage, lr=LR)
+    scaler = LossScaler(init_scale=4.0, process_group=dist.group.WORLD if share else None)
+    x, y = local(global_batches()[0], rank, world_size)
+    before = flat(opt.full_parameters()) if share else None
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    if rank == 1:
+        opt.param_groups[0]["params"][0].grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    unchanged = torch.equal(before, flat(opt.full_parameters())) if share else None
+    return {"skipped": scaler.skipped, "scale": scaler.get_scale(), "unchanged": unchanged}
+
+
+def run_all(rank, world_size):
+    """Every check in one world; the oracle runs on each rank (it is cheap)."""
+    out = {"reference": reference(optim.Adam), "reference_torch": reference(torch.optim.Adam)}
+    out["ddp"], out["ddp_bytes"] = ddp(rank, world_size, optim.Adam)
+    for stage in (1, 2, 3):
+        start = time.perf_counter()
+        out[f"zero{stage}"] = zero(rank, world_size, stage, optim.Adam)
+        out[f"zero{stage}"]["seconds"] = time.perf_counter() - start
+        out[f"zero{stage}_torch"] = zero(rank, world_size, stage, torch.optim.Adam)["trajectory"]
+    out["zero_redundancy"] = zero_redundancy(rank, world_size)
+    out["fsdp2"] = fsdp2(rank, world_size)
+    out["skip_shared"] = [skip_decisions(rank, world_size, s, True) for s in (1, 2, 3)]
+    # Unshared, only stage 3 can run: at stages 1 and 2 the rank that steps would wait in
+    # the all-gather for the rank that skipped.
+    out["skip_unshared"] = skip_decisions(rank, world_size, 3, False)
+    return out

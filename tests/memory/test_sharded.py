@@ -1,0 +1,167 @@
+"""ZeRO stages 1-3 at world 2 on gloo, in one spawned world (sharded_workers.run_all):
+trajectories equal to DDP's and to one process on the global batch (float64), torch's
+ZeroRedundancyOptimizer and FSDP2 fully_shard on the same run, bytes per rank equal to
+zero_bytes, communication per step equal to 2Psi / 2Psi / 3Psi, and one loss-scaler skip
+decision for all ranks. Argument and misuse errors in a world of one, in this process."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import sharded_workers  # noqa: E402
+
+from lsdl_lab import optim  # noqa: E402
+from lsdl_lab.dist import spawn  # noqa: E402
+from lsdl_lab.memory import ZeroOptimizer, zero_bytes  # noqa: E402
+
+WORLD = 2
+# float64 rounding: the oracle averages 8 rows at once, the ranks two means of 4.
+ATOL = 1e-14
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn(sharded_workers.run_all, WORLD, timeout=120)
+
+
+def max_gap(a, b) -> float:
+    assert len(a) == len(b) == sharded_workers.STEPS
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_the_oracle_moves(ranks):
+    trajectory = ranks[0]["reference"]
+    start = torch.cat([p.detach().reshape(-1) for p in sharded_workers.make_model().parameters()])
+    for before, after in zip([start, *trajectory], trajectory):
+        assert (after - before).abs().max() > 1e-3  # equal trajectories mean something
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage_follows_ddp_and_one_process_on_the_global_batch(ranks, stage):
+    for out in ranks:
+        trajectory = out[f"zero{stage}"]["trajectory"]
+        assert max_gap(trajectory, out["reference"]) <= ATOL
+        assert max_gap(trajectory, out["ddp"]) <= ATOL
+        assert max_gap(out[f"zero{stage}_torch"], out["reference_torch"]) <= ATOL
+    assert (
+        max_gap(ranks[0][f"zero{stage}"]["trajectory"], ranks[1][f"zero{stage}"]["trajectory"]) == 0
+    )
+
+
+def test_torch_zero_redundancy_optimizer_follows_stage_1_and_fsdp2_stage_3(ranks):
+    for out in ranks:
+        assert max_gap(out["zero_redundancy"], out["zero1_torch"]) <= ATOL
+        assert max_gap(out["fsdp2"], out["zero3_torch"]) <= ATOL
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bytes_per_rank_are_the_formula_for_float64_adam(ranks, stage):
+    # float64 Adam: 8-byte parameters and gradients, K = 16 (two 8-byte moments; the
+    # library's Adam counts steps in a Python int). The formula holds for the padded Psi.
+    for out in ranks:
+        run = out[f"zero{stage}"]
+        psi, padded = run["numel"], run["padded"]
+        assert psi <= padded < psi + 3 * WORLD  # three units, each padded by < N
+        bytes_of = zero_bytes(padded, stage, WORLD, k=16, param_bytes=8, grad_bytes=8)
+        assert run["held"] == bytes_of
+        no_padding = zero_bytes(psi, stage, WORLD, k=16, param_bytes=8, grad_bytes=8)
+        assert no_padding["total"] <= run["held"]["total"] < 1.03 * no_padding["total"]
+    assert ranks[0]["ddp_bytes"] == zero_bytes(psi, 0, WORLD, k=16, param_bytes=8, grad_bytes=8)
+
+
+def test_stages_1_and_2_are_seen_by_measure_on_the_model_stage_3_is_not(ranks):
+    # Stage 1's shards are views of the parameters and its gradient shards views of the
+    # gradients, so measure(model, optimizer) sees all; stage 2's gradient shards and stage
+    # 3's parameter shards live outside the model: held_bytes() counts them.
+    run = ranks[0]
+    assert run["zero1"]["measure"] == run["zero1"]["held"]
+    assert run["zero2"]["measure"]["grads"] == 0 < run["zero2"]["held"]["grads"]
+    assert run["zero3"]["measure"]["params"] == 0 < run["zero3"]["held"]["params"]
+
+
+@pytest.mark.parametrize("stage, gathers", [(1, 1), (2, 1), (3, 2)])
+def test_communication_per_step_is_2psi_2psi_3psi(ranks, stage, gathers):
+    for out in ranks:
+        run = out[f"zero{stage}"]
+        padded = run["padded"]
+        assert run["counts"] == {"all_gather": gathers * padded, "reduce_scatter": padded}
+        total = sum(run["counts"].values())
+        assert (gathers + 1) * run["numel"] <= total < (gathers + 1) * (run["numel"] + 3 * WORLD)
+
+
+def test_loss_scaler_over_the_group_skips_on_every_rank(ranks):
+    for out in ranks:
+        for stage_result in out["skip_shared"]:
+            assert stage_result == {"skipped": True, "scale": 2.0, "unchanged": True}
+    # Without the group, only rank 1 (whose shard holds the inf) skips.
+    assert [out["skip_unshared"]["skipped"] for out in ranks] == [False, True]
+    assert [out["skip_unshared"]["scale"] for out in ranks] == [4.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, name, error",
+    [
+        ((nn.Linear(2, 2).weight, optim.Adam), {}, "model", TypeError),
+        ((nn.Linear(2, 2), "Adam"), {}, "optimizer_class", TypeError),
+        ((nn.Linear(2, 2), dict), {}, "optimizer_class", TypeError),
+        ((nn.Linear(2, 2), optim.Adam), {"stage": 0}, "stage", ValueError),
+        ((nn.Linear(2, 2), optim.Adam), {"stage": 4}, "stage", ValueError),
+        ((nn.Linear(2, 2), optim.Adam), {"stage": 1.0}, "stage", TypeError),
+        ((nn.Linear(2, 2).requires_grad_(False), optim.Adam), {}, "model", ValueError),
+    ],
+)
+def test_bad_arguments(args, kwargs, name, error):
+    with pytest.raises(error, match=f"Invalid {name}"):
+        ZeroOptimizer(*args, **kwargs)
+
+
+@pytest.fixture
+def world_of_one():
+    if dist.is_initialized():
+        pytest.skip("this process already belongs to a process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_misuse_is_an_error_not_a_wrong_step(world_of_one):
+    model = sharded_workers.make_model()
+    opt = ZeroOptimizer(model, optim.Adam, stage=1, lr=0.1)
+    x, y = sharded_workers.global_batches()[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="one backward pass per step"):
+        nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    model.zero_grad()  # drops stage 1's flat gradient buffers
+    with pytest.raises(RuntimeError, match="reset outside its zero_grad"):
+        nn.functional.mse_loss(model(x), y).backward()
+
+    model = sharded_workers.make_model()
+    opt = ZeroOptimizer(model, optim.Adam, stage=2, lr=0.1)
+    (x @ model[0].weight.T).sum().backward()  # the first layer's bias gets no gradient
+    with pytest.raises(RuntimeError, match="without a gradient"):
+        opt.step()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stages_2_and_3_accumulate_micro_batches(world_of_one, stage):
+    # Two backward passes on halves of the batch (each loss halved) take the step of one
+    # backward pass on the whole batch.
+    x, y = sharded_workers.global_batches()[0]
+    reference = sharded_workers.make_model()
+    ref_opt = optim.Adam(reference.parameters(), lr=0.1)
+    nn.functional.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    model = sharded_workers.make_model()
+    opt = ZeroOptimizer(model, optim.Adam, stage=stage, lr=0.1)
+    for half in (slice(0, 4), slice(4, 8)):
+        (nn.functional.mse_loss(model(x[half]), y[half]) / 2).backward()
+    opt.step()
+    for p, q in zip(opt.full_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-14)
