@@ -251,7 +251,9 @@ class StepResult:
     loss: float  # the batch's mean loss (before the update)
     examples: int  # how many examples that mean is over (Task.examples)
     counts: dict  # the task's sums over the batch (Task.counts)
-    grad_norm: torch.Tensor | None = None  # the global gradient norm, before any clipping
+    # The global gradient norm before any clipping, when the step computed it (clipping
+    # does); else None, and fit measures the gradients left in .grad when it logs.
+    grad_norm: torch.Tensor | None = None
     stepped: bool = True  # False: the update was skipped, the schedule does not advance
 
 
@@ -280,12 +282,18 @@ def train_step(
         raise NonFiniteLossError(value, _lr(optimizer))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = nn.utils.get_total_norm([p.grad for p in params])
+    grad_norm = None
     if clip_grad_norm is not None:
-        nn.utils.clip_grads_with_norm_(params, clip_grad_norm, grad_norm)
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
     optimizer.step()
     return StepResult(value, task.examples(y), task.counts(output.detach(), y), grad_norm)
+
+
+def _grad_norm(model: nn.Module) -> float | None:
+    """The global norm of the gradients the last step left in the parameters' ``.grad``
+    (optimizers read them and leave them there); None when there are none."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return float(nn.utils.get_total_norm(grads)) if grads else None
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float:
@@ -423,12 +431,11 @@ def _log_record(
     step: int,
     elapsed: float,
     lr: float,
-    grad_norm: torch.Tensor | None,
+    grad_norm: float | None,
     when: _Schedule,
 ) -> dict:
     """The training record after ``step``: the window's averages and the step's state."""
-    record = {"step": step, "time": elapsed, "lr": lr}
-    record["grad_norm"] = None if grad_norm is None else float(grad_norm)
+    record = {"step": step, "time": elapsed, "lr": lr, "grad_norm": grad_norm}
     if when.steps_per_epoch:
         record["epoch"] = step / when.steps_per_epoch
     record.update(window.summarize(task))
@@ -508,7 +515,8 @@ def fit(
         elapsed += time.perf_counter() - t0
         done = t + 1
         if when.due(when.log_every, done):
-            record = _log_record(window, task, done, elapsed, lr, result.grad_norm, when)
+            grad_norm = _grad_norm(model) if result.grad_norm is None else float(result.grad_norm)
+            record = _log_record(window, task, done, elapsed, lr, grad_norm, when)
             history.train.append(record)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
             window = _Totals()

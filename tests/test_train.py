@@ -338,7 +338,8 @@ def test_a_custom_step_is_called_with_model_optimizer_batch_task_and_logged():
     assert sched.last_epoch == 0
 
 
-def test_the_default_step_logs_the_gradient_norm_before_clipping():
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_the_logged_gradient_norm_is_the_step_s_before_clipping(clip):
     batches, _ = image_batches()
     torch.manual_seed(0)
     model = models.MLP(64, 4, hidden=16)
@@ -347,7 +348,7 @@ def test_the_default_step_logs_the_gradient_norm_before_clipping():
     expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = functools.partial(train.train_step, clip_grad_norm=1e-3)
+    step = functools.partial(train.train_step, clip_grad_norm=clip)
     h = train.fit(model, opt, batches, steps=1, step=step, progress=False)
     assert h.train[0]["grad_norm"] == pytest.approx(expected.item(), rel=1e-5)
     assert h.train[0]["grad_norm"] > 1e-2
