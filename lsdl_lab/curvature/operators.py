@@ -179,7 +179,8 @@ class ParameterOperator(CurvatureOperator):
     ``num_parameters``) counts their entries.
 
     ``matvec(v)`` takes a flat vector of ``dim`` entries, or a list of tensors shaped like
-    ``params``, and returns the same kind. A subclass implements ``_product``, the product
+    ``params``, and returns the same kind. ``names`` are the parameters' names in the model
+    (for ``torch.func.functional_call``). A subclass implements ``_product``, the product
     on such a list.
     """
 
@@ -193,6 +194,7 @@ class ParameterOperator(CurvatureOperator):
         self.model, self.loss_fn = model, loss_fn
         self.batches, self.weights = weighted_batches(batches)
         self.params = _trainable(model, params)
+        self.names = _names_of(model, self.params)
         self.dim = sum(p.numel() for p in self.params)
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
 
@@ -262,7 +264,6 @@ class HessianOperator(ParameterOperator):
             self._grads = self._gradient_graph()
             self._versions = [p._version for p in self.params]
         else:
-            self._names = _names_of(model, self.params)
             self._grad_fn = grad(self._batch_loss)
 
     def _gradient_graph(self) -> list[torch.Tensor]:
@@ -279,7 +280,7 @@ class HessianOperator(ParameterOperator):
         return total
 
     def _batch_loss(self, params: tuple[torch.Tensor, ...], x, y) -> torch.Tensor:
-        out = functional_call(self.model, dict(zip(self._names, params)), (x,))
+        out = functional_call(self.model, dict(zip(self.names, params)), (x,))
         return self.loss_fn(out, y)
 
     def _product(self, v: list[torch.Tensor]) -> list[torch.Tensor]:

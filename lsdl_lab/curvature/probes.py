@@ -19,6 +19,7 @@ operator's device, in its dtype), and the tridiagonal matrix is diagonalized wit
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import NamedTuple
 
 import torch
@@ -36,6 +37,9 @@ __all__ = [
 ]
 
 DISTRIBUTIONS = ("rademacher", "gaussian")
+EIGEN_METHODS = ("lanczos", "power")
+F64 = torch.float64
+TRACE_METHODS = ("hutchinson", "hutch++", "xtrace")
 
 
 def _check_operator(A) -> CurvatureOperator:
@@ -57,25 +61,8 @@ def _rademacher(A: CurvatureOperator, gen: torch.Generator) -> torch.Tensor:
     return (2 * v - 1).to(A.dtype)
 
 
-def top_eigenvalues(
-    A: CurvatureOperator, k: int = 1, iters: int = 100, tol: float = 1e-6, seed: int = 0
-) -> tuple[list[float], list[torch.Tensor]]:
-    r"""The k eigenvalues of largest magnitude by power iteration with deflation (as PyHessian).
-
-    Repeat :math:`v \leftarrow Av/\|Av\|` (with :math:`v` kept orthogonal to the eigenvectors
-    already found) until the Rayleigh quotient :math:`\lambda = v^\top Av` changes by less than
-    ``tol`` relative to itself, or for ``iters`` products. The error shrinks like
-    :math:`|\lambda_{i+1}/\lambda_i|^{t}`, so close eigenvalues need many iterations; PyHessian's
-    default ``tol=1e-3`` stops well before convergence. Returns eigenvalues and unit
-    eigenvectors (flat).
-    """
-    _check_operator(A)
-    check_int("k", k, 1)
-    check_int("iters", iters, 1)
-    check_real("tol", tol, 0.0)
-    if k > A.dim:
-        raise ValueError(f"Invalid k: {k} (expected at most A.dim = {A.dim} eigenvalues)")
-    gen = _generator(A, seed)
+def _power_iteration(A: CurvatureOperator, k: int, iters: int, tol: float, gen):
+    """Power iteration with deflation (PyHessian's method): values and unit vectors."""
     values, vectors = [], []
     for _ in range(k):
         v = torch.randn(A.dim, generator=gen, device=A.device, dtype=A.dtype)
@@ -101,34 +88,106 @@ def top_eigenvalues(
     return values, vectors
 
 
-def _lanczos(A: CurvatureOperator, m: int, gen: torch.Generator):
-    """Lanczos with full reorthogonalization from a Rademacher start; (alpha, beta, Q)."""
+def _lanczos_top(A: CurvatureOperator, k: int, iters: int, tol: float, gen):
+    """The k Ritz pairs of largest magnitude, Lanczos step by step until their residuals
+    beta_j |s_ji| are at most tol |theta_i| (or iters products)."""
+    for step in _lanczos_steps(A, iters, gen):
+        alpha, beta, Q = step
+        if len(alpha) < min(k, A.dim):
+            continue
+        T = _tridiagonal(torch.tensor(alpha, dtype=F64), torch.tensor(beta[:-1], dtype=F64))
+        theta, S = torch.linalg.eigh(T)
+        top = theta.abs().argsort(descending=True)[:k]
+        residuals = beta[-1] * S[-1, top].abs()  # ||A y_i - theta_i y_i|| (Parlett, Sec. 13.2)
+        if bool((residuals <= tol * theta[top].abs()).all()):
+            break
+    vectors = (S[:, top].to(A.dtype).T @ Q).unbind()
+    return theta[top].tolist(), [y / y.norm() for y in vectors]
+
+
+def top_eigenvalues(
+    A: CurvatureOperator,
+    k: int = 1,
+    iters: int = 100,
+    tol: float = 1e-6,
+    seed: int = 0,
+    method: str = "lanczos",
+) -> tuple[list[float], list[torch.Tensor]]:
+    r"""The k eigenvalues of largest magnitude and their unit eigenvectors (flat).
+
+    ``method="lanczos"`` (default): Lanczos (1950) with full reorthogonalization, one product
+    per step, until each of the k Ritz pairs :math:`(\theta_i, y_i)` of largest magnitude has
+    a residual :math:`\|Ay_i - \theta_i y_i\| = \beta_j|s_{ji}|` of at most
+    ``tol`` :math:`\cdot|\theta_i|` (then an eigenvalue lies within that distance of
+    :math:`\theta_i`, and within its square over the gap; Parlett, 1998, Sec. 11.7), or for
+    ``iters`` products. Its error shrinks like :math:`\exp(-2t\sqrt{\gamma})` with the relative
+    gap :math:`\gamma` (Kaniel-Paige-Saad), all k at once. It finds one copy of a repeated
+    eigenvalue.
+
+    ``method="power"``: power iteration with deflation, as PyHessian: repeat
+    :math:`v \leftarrow Av/\|Av\|` (orthogonal to the eigenvectors already found) until the
+    Rayleigh quotient changes by less than ``tol`` relative to itself, or for ``iters``
+    products, for each eigenvalue in turn. The error shrinks like
+    :math:`|\lambda_{i+1}/\lambda_i|^{2t}`, so close eigenvalues need many products, and the
+    stopping rule stops early when convergence is slow (PyHessian's default ``tol=1e-3``
+    stops well before convergence). benchmarks/README.md measures both.
+    """
+    _check_operator(A)
+    check_int("k", k, 1)
+    check_int("iters", iters, 1)
+    check_real("tol", tol, 0.0)
+    check_choice("method", method, EIGEN_METHODS)
+    if k > A.dim:
+        raise ValueError(f"Invalid k: {k} (expected at most A.dim = {A.dim} eigenvalues)")
+    if method == "lanczos" and iters < k:
+        raise ValueError(f"Invalid iters: {iters} (expected at least k = {k} Lanczos steps)")
+    search = _lanczos_top if method == "lanczos" else _power_iteration
+    return search(A, k, iters, tol, _generator(A, seed))
+
+
+def _orthogonalized(w: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    # Gram-Schmidt against every Lanczos vector, twice ("twice is enough"): in floating
+    # point the three-term recurrence alone loses orthogonality and repeats Ritz values.
+    for _ in range(2):
+        w = w - Q.T @ (Q @ w)
+    return w
+
+
+def _lanczos_steps(A: CurvatureOperator, m: int, gen: torch.Generator):
+    """Lanczos with full reorthogonalization from a Rademacher start, one product a step.
+
+    After step j it yields (alpha, beta, Q): alpha_0..alpha_j, beta_0..beta_j (beta_j the
+    norm of the next residual, 0 where the Krylov space closed) and the j + 1 vectors."""
     m = min(m, A.dim)
-    Q = torch.zeros(m, A.dim, dtype=A.dtype, device=A.device)
+    Q = torch.zeros(min(m, 32), A.dim, dtype=A.dtype, device=A.device)
     q = _rademacher(A, gen)
     Q[0] = q / q.norm()
     alpha, beta = [], []
     for j in range(m):
         w = A @ Q[j]
         alpha.append((w @ Q[j]).item())
-        if j == m - 1:
-            break
         Aq_norm = w.norm()
-        # Gram-Schmidt against every Lanczos vector, twice ("twice is enough"): in floating
-        # point the three-term recurrence alone loses orthogonality and repeats Ritz values.
-        for _ in range(2):
-            w -= Q[: j + 1].T @ (Q[: j + 1] @ w)
-        b = w.norm()
-        if b <= torch.finfo(A.dtype).eps ** 0.5 * Aq_norm:
+        w = _orthogonalized(w, Q[: j + 1])
+        b = w.norm().item()
+        invariant = b <= torch.finfo(A.dtype).eps ** 0.5 * Aq_norm
+        beta.append(0.0 if invariant else b)
+        yield alpha, beta, Q[: j + 1]
+        if j == m - 1:
+            return
+        if invariant:
             # The Krylov space is invariant (exhausted): T splits into blocks. Go on from a
             # random direction orthogonal to it, with beta = 0 (the quadrature weights of the
             # new block are 0, its Ritz values are still eigenvalue estimates).
-            b, w = torch.zeros(()), _rademacher(A, gen)
-            for _ in range(2):
-                w -= Q[: j + 1].T @ (Q[: j + 1] @ w)
-        beta.append(b.item())
+            w = _orthogonalized(_rademacher(A, gen), Q[: j + 1])
+        if j + 1 == len(Q):  # the basis is full: double it
+            Q = torch.cat([Q, torch.zeros_like(Q[: min(len(Q), m - len(Q))])])
         Q[j + 1] = w / w.norm()
-    return torch.tensor(alpha, dtype=torch.float64), torch.tensor(beta, dtype=torch.float64), Q
+
+
+def _lanczos(A: CurvatureOperator, m: int, gen: torch.Generator):
+    """m Lanczos steps: (alpha, beta) in float64 and the basis Q."""
+    alpha, beta, Q = deque(_lanczos_steps(A, m, gen), maxlen=1)[0]
+    return torch.tensor(alpha, dtype=F64), torch.tensor(beta[:-1], dtype=F64), Q
 
 
 def lanczos(A: CurvatureOperator, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,30 +228,117 @@ def lanczos_eigenvalues(
     return ritz.flip(0)[:k].tolist()
 
 
-def trace(
-    A: CurvatureOperator, samples: int = 100, seed: int = 0, distribution: str = "rademacher"
-) -> tuple[float, float]:
-    r"""Hutchinson's (1989) estimate of :math:`\operatorname{tr}A` and its standard error.
+def _probe(A: CurvatureOperator, gen: torch.Generator, distribution: str) -> torch.Tensor:
+    if distribution == "rademacher":
+        return _rademacher(A, gen)
+    return torch.randn(A.dim, generator=gen, device=A.device, dtype=A.dtype)
 
-    For random :math:`v` with :math:`\mathbb E[vv^\top] = I`,
-    :math:`\mathbb E[v^\top Av] = \operatorname{tr}(A\,\mathbb E[vv^\top]) = \operatorname{tr}A`.
-    Rademacher entries (:math:`\pm1`) give the smallest variance,
-    :math:`2\sum_{i\ne j}A_{ij}^2`; Gaussian ones add :math:`2\sum_i A_{ii}^2`. Returns
-    the mean of ``samples`` draws and the standard error of that mean.
+
+def _probes(A: CurvatureOperator, n: int, gen, distribution: str) -> torch.Tensor:
+    """n random vectors with E[v v^T] = I, as the columns of a (dim, n) matrix."""
+    columns = [_probe(A, gen, distribution) for _ in range(n)]
+    return torch.stack(columns, 1) if columns else torch.zeros(A.dim, 0, dtype=A.dtype)
+
+
+def _apply(A: CurvatureOperator, V: torch.Tensor) -> torch.Tensor:
+    return torch.stack([A @ v for v in V.T], 1) if V.shape[1] else torch.zeros_like(V)
+
+
+def _mean_and_error(values: torch.Tensor) -> tuple[float, float]:
+    """The mean of i.i.d. estimates and its standard error (NaN from a single one)."""
+    values = values.to(torch.float64)
+    n = len(values)
+    se = (values.std() / math.sqrt(n)).item() if n > 1 else math.nan
+    return values.mean().item(), se
+
+
+def _quadratic_forms(A, n, gen, distribution, Q=None) -> torch.Tensor:
+    """v^T P A P v for n random v, one at a time (memory: one vector); P = I - Q Q^T."""
+    values = []
+    for _ in range(n):
+        v = _probe(A, gen, distribution)
+        if Q is not None:
+            v = v - Q @ (Q.T @ v)
+        values.append(v @ (A @ v))
+    return torch.stack(values)
+
+
+def _hutchpp(A, samples, gen, distribution):
+    """Hutch++ (Meyer et al., 2021, Alg. 1): (exact part, Hutchinson samples of the rest)."""
+    k = samples // 3
+    Q, _ = torch.linalg.qr(_apply(A, _probes(A, k, gen, distribution)))  # range of A S
+    exact = (Q * _apply(A, Q)).sum()  # tr(Q^T A Q)
+    return exact, _quadratic_forms(A, samples - 2 * k, gen, distribution, Q)
+
+
+def _xtrace(A, samples, gen, distribution):
+    """XTrace (Epperly, Tropp & Webber, 2024, Alg. 1 with their error estimate): the n
+    exchangeable estimates, each Hutch++ with test vector i left out of the basis."""
+    n = samples // 2
+    W = _probes(A, n, gen, distribution)
+    Y = _apply(A, W)
+    Q, R = torch.linalg.qr(Y)
+    Z = _apply(A, Q)
+    # S's columns are the normalized columns of R^{-T}: the basis without w_i is Q (I - s s^T)
+    S = torch.linalg.inv(R).T
+    S = S / S.norm(dim=0)
+    tr_Q = (Q * Z).sum()
+    QtW, QtZ = Q.T @ W, Q.T @ Z
+    dS = (S * (QtZ @ S)).sum(0)  # s_i^T Q^T A Q s_i
+    # w_i^T (I - Q_i Q_i^T) A (I - Q_i Q_i^T) w_i with Q_i Q_i^T = Q (I - s_i s_i^T) Q^T
+    c = QtW - S * (S * QtW).sum(0)  # (I - s_i s_i^T) Q^T w_i, column i
+    AP_w = Y - Z @ c
+    PAPw = AP_w - Q @ ((Q.T @ AP_w) - S * (S * (Q.T @ AP_w)).sum(0))
+    return tr_Q - dS + (W * PAPw).sum(0)
+
+
+def trace(
+    A: CurvatureOperator,
+    samples: int = 100,
+    seed: int = 0,
+    distribution: str = "rademacher",
+    method: str = "hutchinson",
+) -> tuple[float, float]:
+    r"""An estimate of :math:`\operatorname{tr}A` from ``samples`` products, and its standard
+    error.
+
+    - ``"hutchinson"`` (default; Hutchinson, 1989): for random :math:`v` with
+      :math:`\mathbb E[vv^\top] = I`, :math:`\mathbb E[v^\top Av] = \operatorname{tr}A`.
+      Rademacher entries (:math:`\pm1`) give the smallest variance,
+      :math:`2\sum_{i\ne j}A_{ij}^2`; Gaussian ones add :math:`2\sum_i A_{ii}^2`. The mean of
+      ``samples`` draws and its standard error. Its error falls like
+      :math:`1/\sqrt{m}` in the number of products :math:`m`.
+    - ``"hutch++"`` (Meyer, Musco, Musco & Woodruff, 2021): a third of the products find the
+      range :math:`Q` of :math:`AS` (S random), a third take the exact
+      :math:`\operatorname{tr}(Q^\top AQ)` of the top of the spectrum, the rest run Hutchinson
+      on the deflated :math:`(I-QQ^\top)A(I-QQ^\top)` (``samples - 2 (samples // 3)`` draws).
+      Unbiased; for a PSD :math:`A` its error falls like :math:`1/m` instead of
+      :math:`1/\sqrt m`, because what is left after deflation has a small Frobenius norm when
+      the spectrum decays (Hessians' does). The standard error is the Hutchinson part's.
+    - ``"xtrace"`` (Epperly, Tropp & Webber, 2024): ``samples // 2`` test vectors, each
+      left out in turn from the basis of the others' products and used as the Hutchinson
+      vector of the rest; the mean of these exchangeable estimates, and their standard
+      deviation over the square root of their number as the error (their Sec. 2.3).
+      ``samples`` must be even.
+
+    Hutchinson stays the default: its draws are i.i.d., so its standard error is honest
+    for any operator, and the labs' exercises reproduce its draws; Hutch++ and XTrace win
+    when the spectrum decays, which benchmarks/README.md measures on the book's networks.
     """
     _check_operator(A)
     check_int("samples", samples, 2)
     check_choice("distribution", distribution, DISTRIBUTIONS)
+    check_choice("method", method, TRACE_METHODS)
+    if method == "xtrace" and samples % 2:
+        raise ValueError(f"Invalid samples: {samples} (expected an even number for xtrace)")
     gen = _generator(A, seed)
-    vhv = []
-    for _ in range(samples):
-        if distribution == "rademacher":
-            v = _rademacher(A, gen)
-        else:
-            v = torch.randn(A.dim, generator=gen, device=A.device, dtype=A.dtype)
-        vhv.append((v @ (A @ v)).item())
-    vhv = torch.tensor(vhv, dtype=torch.float64)
-    return vhv.mean().item(), (vhv.std() / math.sqrt(samples)).item()
+    if method == "hutchinson":
+        return _mean_and_error(_quadratic_forms(A, samples, gen, distribution))
+    if method == "xtrace":
+        return _mean_and_error(_xtrace(A, samples, gen, distribution))
+    exact, rest = _hutchpp(A, samples, gen, distribution)
+    mean, se = _mean_and_error(rest)
+    return exact.item() + mean, se
 
 
 class SpectralDensity(NamedTuple):

@@ -24,9 +24,10 @@ SPECTRUM = torch.tensor([12.0, 7.0, 4.0, 2.0, 1.0, 0.5, -0.25, -0.5], dtype=torc
 
 
 def test_the_package_exports_its_modules_public_names():
-    from lsdl_lab.curvature import operators, probes
+    from lsdl_lab.curvature import conjugate_gradient, gauss_newton, operators, probes
 
-    assert set(curvature.__all__) == set(operators.__all__) | set(probes.__all__)
+    modules = (conjugate_gradient, gauss_newton, operators, probes)
+    assert set(curvature.__all__) == set().union(*(m.__all__ for m in modules))
     assert all(hasattr(curvature, name) for name in curvature.__all__)
 
 
