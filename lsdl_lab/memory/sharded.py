@@ -32,6 +32,17 @@ all (a hook per parameter), overlapping communication with the rest of the backw
 as DeepSpeed and FSDP do. The design follows DeepSpeed's stage-3 partitioning and
 PyTorch's FSDP (Zhao et al. 2023); ``torch.distributed.optim.ZeroRedundancyOptimizer`` is
 stage 1 with whole parameters assigned to ranks instead of flat slices.
+
+Mixed precision (Micikevicius et al. 2018), the paper's setting: a 16-bit model and
+``master_dtype=torch.float32``. Parameters, gradients and every collective are 16-bit; the
+optimizer steps a float32 master copy of the rank's shard and the result is rounded back
+into the 16-bit shard. With Adam the rank holds 2 + 2 + K bytes per parameter, K = 12
+(master weight and two moments), partitioned by stage as in
+:func:`~lsdl_lab.memory.zero_bytes`. The float32 gradient of the shard (4 Psi/N bytes)
+lives only from the reduce-scatter to the end of ``step``; DeepSpeed's estimator, which
+keeps it, counts 18 bytes instead of 16. This is the arithmetic of FSDP2 with
+``MixedPrecisionPolicy(param_dtype=reduce_dtype=torch.bfloat16)``, and the tests find the
+two runs equal bit for bit.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._util import check_int, flatten
+from .._util import check_choice, check_int, flatten
 from .measure import measure
 
 __all__ = ["ZeroOptimizer"]
@@ -59,9 +70,15 @@ class _Unit:
         self.own = slice(rank * size, (rank + 1) * size)
         self.flat: torch.Tensor | None = None  # the whole parameters, while held
         self.shard: nn.Parameter | None = None
+        self.master: nn.Parameter | None = None  # the shard in master_dtype, if any
         self.grad_flat: torch.Tensor | None = None  # stage 1: whole local gradients
         self.waiting = len(params)  # parameters whose gradient this backward has not made
         self.reduced = False  # stage 1: this step's gradients are reduce-scattered
+
+    @property
+    def stepped(self) -> nn.Parameter:
+        """What the optimizer updates: the master copy of the shard, or the shard."""
+        return self.shard if self.master is None else self.master
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The parameters' shapes cut out of a whole flat vector (views)."""
@@ -105,9 +122,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
       reduce-scattered. ``step`` updates the shards; nothing is gathered until the next
       forward: Psi + Psi + Psi = 3 Psi.
 
+    ``master_dtype`` (``torch.float32`` for a 16-bit model): the optimizer steps a master
+    copy of each shard in that dtype (see the module's docstring); ``None`` steps the
+    shards themselves.
+
     The optimizer's ``param_groups`` and ``state`` are the wrapped optimizer's, over the
-    shards, so a :class:`~lsdl_lab.memory.LossScaler` with ``process_group`` unscales and
-    checks this rank's shard and all ranks take the same skip decision.
+    shards (or their master copies), so a :class:`~lsdl_lab.memory.LossScaler` with
+    ``process_group`` unscales and checks this rank's shard, and all ranks take the same
+    skip decision.
     :meth:`held_bytes` measures what the rank holds.
 
     Limits, for readable code: every parameter requires a gradient and gets one in each
@@ -122,6 +144,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         stage: int = 1,
         process_group=None,
+        master_dtype: torch.dtype | None = None,
         **optimizer_kwargs,
     ):
         if not isinstance(model, nn.Module):
@@ -134,6 +157,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "subclass)"
             )
         self.stage = check_int("stage", stage, 1, 3)
+        check_choice("master_dtype", master_dtype, (None, torch.float32, torch.float64))
         if any(not p.requires_grad for p in model.parameters()):
             raise ValueError("Invalid model: every parameter must require a gradient")
         self.model, self.group = model, process_group
@@ -150,12 +174,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for unit in self.units:
                 self._partition(unit, first)
-        shards = [unit.shard for unit in self.units]
-        self.optimizer = optimizer_class(shards, **optimizer_kwargs)
-        super().__init__(shards, self.optimizer.defaults)
+                if master_dtype is not None:
+                    unit.master = nn.Parameter(unit.shard.detach().to(master_dtype))
+        stepped = [unit.stepped for unit in self.units]
+        self.optimizer = optimizer_class(stepped, **optimizer_kwargs)
+        super().__init__(stepped, self.optimizer.defaults)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         self._holder = nn.Module()  # model and shards, so measure() sees both
-        self._holder.model, self._holder.shards = model, nn.ParameterList(shards)
+        shards = nn.ParameterList([unit.shard for unit in self.units])
+        self._holder.model, self._holder.shards = model, shards
 
     def _partition(self, unit: _Unit, first: int) -> None:
         p0 = unit.params[0]
@@ -206,20 +233,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             dist.reduce_scatter_single(unit.shard.grad, unit.grad_flat, group=self.group)
             unit.shard.grad.div_(self.world)
             unit.reduced = True
-            return
-        local = unit.shard.new_zeros(unit.padded)
-        local[: unit.numel] = flatten([p.grad for p in unit.params])
-        for p in unit.params:
-            p.grad = None
-        if self.stage == 3:
-            unit.release()
-        shard = unit.shard.new_empty(unit.padded // self.world)
-        dist.reduce_scatter_single(shard, local, group=self.group)
-        shard.div_(self.world)
-        if unit.shard.grad is None:
-            unit.shard.grad = shard
         else:
-            unit.shard.grad.add_(shard)
+            local = unit.shard.new_zeros(unit.padded)
+            local[: unit.numel] = flatten([p.grad for p in unit.params])
+            for p in unit.params:
+                p.grad = None
+            if self.stage == 3:
+                unit.release()
+            shard = unit.shard.new_empty(unit.padded // self.world)
+            dist.reduce_scatter_single(shard, local, group=self.group)
+            shard.div_(self.world)
+            if unit.shard.grad is None:
+                unit.shard.grad = shard
+            else:
+                unit.shard.grad.add_(shard)
+        if unit.master is not None:
+            unit.master.grad = unit.shard.grad.to(unit.master.dtype)
 
     def step(self, closure=None):
         """Step the shards with the wrapped optimizer, then (stages 1 and 2) all-gather the
@@ -231,17 +260,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "gradient; every parameter must get one in each backward pass"
             )
         loss = self.optimizer.step(closure)
-        if self.stage < 3:
-            with torch.no_grad():
-                for unit in self.units:
+        with torch.no_grad():
+            for unit in self.units:
+                unit.reduced = False
+                if unit.master is not None:
+                    unit.shard.copy_(unit.master)  # rounded to the parameters' dtype
+                    unit.master.grad = None  # the paper's K counts no float32 gradient
+                if self.stage < 3:
                     dist.all_gather_single(unit.flat, unit.shard.detach(), group=self.group)
-        for unit in self.units:
-            unit.reduced = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (stage 1 zeroes its flat buffers, which ``p.grad`` view)."""
         for unit in self.units:
+            if unit.master is not None:
+                unit.master.grad = None
             if self.stage == 1:
                 unit.grad_flat.zero_()
                 unit.reduced = False
@@ -268,4 +301,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Bytes this rank holds, by :func:`~lsdl_lab.memory.measure` over the model, the
         shards and the wrapped optimizer's state (each storage once; stage 1 and 2 shards
         are views of the parameters). Keys as :func:`~lsdl_lab.memory.zero_bytes`."""
-        return measure(self._holder, self)
+        out = measure(self._holder, self)
+        masters = sum(
+            u.master.untyped_storage().nbytes() for u in self.units if u.master is not None
+        )
+        out["optimizer_state"] += masters  # master weights are optimizer state (the paper's K)
+        out["total"] += masters
+        return out

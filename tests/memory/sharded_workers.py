@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -111,16 +111,46 @@ def zero_redundancy(rank, world_size):
     return train(model, opt, batches, model.parameters)
 
 
-def fsdp2(rank, world_size):
-    model = make_model()
+def fsdp2(rank, world_size, mp_policy=None):
+    """FSDP2, each layer sharded (with ``mp_policy``: on a float32 model whose values are
+    the bfloat16 model's, so both runs start from the same master weights)."""
+    model = make_model() if mp_policy is None else make_model().bfloat16().float()
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     batches = [local(b, rank, world_size) for b in global_batches()]
-    return train(model, opt, batches, lambda: [p.full_tensor() for p in model.parameters()])
+    trajectory = train(model, opt, batches, lambda: [p.full_tensor() for p in model.parameters()])
+    return trajectory
+
+
+def mixed(rank, world_size, stage):
+    """bfloat16 parameters, gradients and communication, float32 master weights and Adam
+    moments: the paper's mixed-precision Adam, 2 + 2 + K bytes per parameter, K = 12."""
+    model = make_model().bfloat16()
+    opt = ZeroOptimizer(model, torch.optim.Adam, stage=stage, master_dtype=torch.float32, lr=LR)
+    batches = [local(b, rank, world_size) for b in global_batches()]
+    trajectory = []
+    for x, y in batches:
+        opt.zero_grad()
+        # The loss in float32, as under autocast.
+        nn.functional.mse_loss(model(x.bfloat16()).float(), y.float()).backward()
+        opt.step()
+        trajectory.append(flat(opt.full_parameters()))
+    masters = []
+    for unit in opt.units:
+        whole = unit.master.new_empty(unit.padded)
+        dist.all_gather_single(whole, unit.master.detach())
+        masters.append(whole[: unit.numel])
+    return {
+        "trajectory": trajectory,
+        "masters": torch.cat(masters),
+        "held": opt.held_bytes(),
+        "padded": sum(u.padded for u in opt.units),
+        "units": len(opt.units),
+    }
 
 
 @contextlib.contextmanager
@@ -173,6 +203,10 @@ def run_all(rank, world_size):
         out[f"zero{stage}_torch"] = zero(rank, world_size, stage, torch.optim.Adam)["trajectory"]
     out["zero_redundancy"] = zero_redundancy(rank, world_size)
     out["fsdp2"] = fsdp2(rank, world_size)
+    for stage in (1, 2, 3):
+        out[f"mixed{stage}"] = mixed(rank, world_size, stage)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    out["fsdp2_mixed"] = fsdp2(rank, world_size, bf16)
     out["skip_shared"] = [skip_decisions(rank, world_size, s, True) for s in (1, 2, 3)]
     # Unshared, only stage 3 can run: at stages 1 and 2 the rank that steps would wait in
     # the all-gather for the rank that skipped.

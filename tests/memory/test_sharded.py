@@ -75,6 +75,24 @@ def test_bytes_per_rank_are_the_formula_for_float64_adam(ranks, stage):
     assert ranks[0]["ddp_bytes"] == zero_bytes(psi, 0, WORLD, k=16, param_bytes=8, grad_bytes=8)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_mixed_precision_is_fsdp2_with_bf16_and_holds_2_2_12_bytes(ranks, stage):
+    # bfloat16 parameters, gradients and collectives, float32 master weights and moments:
+    # FSDP2's MixedPrecisionPolicy(param_dtype=reduce_dtype=bfloat16) does the same
+    # arithmetic, so the runs agree bit for bit.
+    for out in ranks:
+        run = out[f"mixed{stage}"]
+        for ours, fsdp in zip(run["trajectory"], out["fsdp2_mixed"], strict=True):
+            assert torch.equal(ours, fsdp.bfloat16())
+        assert torch.equal(run["masters"], out["fsdp2_mixed"][-1])
+        # The paper's 2 + 2 + K with K = 12 (Rajbhandari et al. 2020, Section 3.1), for the
+        # padded Psi; torch's Adam adds one 0-d float32 step per shard.
+        bytes_of = zero_bytes(run["padded"], stage, WORLD)
+        bytes_of["optimizer_state"] += 4 * run["units"]
+        bytes_of["total"] += 4 * run["units"]
+        assert run["held"] == bytes_of
+
+
 def test_stages_1_and_2_are_seen_by_measure_on_the_model_stage_3_is_not(ranks):
     # Stage 1's shards are views of the parameters and its gradient shards views of the
     # gradients, so measure(model, optimizer) sees all; stage 2's gradient shards and stage
@@ -114,6 +132,12 @@ def test_loss_scaler_over_the_group_skips_on_every_rank(ranks):
         ((nn.Linear(2, 2), optim.Adam), {"stage": 4}, "stage", ValueError),
         ((nn.Linear(2, 2), optim.Adam), {"stage": 1.0}, "stage", TypeError),
         ((nn.Linear(2, 2).requires_grad_(False), optim.Adam), {}, "model", ValueError),
+        (
+            (nn.Linear(2, 2), optim.Adam),
+            {"master_dtype": torch.bfloat16},
+            "master_dtype",
+            ValueError,
+        ),
     ],
 )
 def test_bad_arguments(args, kwargs, name, error):
