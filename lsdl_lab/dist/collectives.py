@@ -77,8 +77,7 @@ def _ring_reduce_scatter(chunks: list[torch.Tensor], group) -> None:
     rank r-1 passes it into chunk r-s-2; after p-1 steps chunk r has all p terms.
     """
     r, p = _rank_and_size(group)
-    incoming = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype,
-                           device=chunks[0].device)  # fmt: skip
+    incoming = chunks[0].new_empty(max(c.numel() for c in chunks))
     for s in range(p - 1):
         send, recv = chunks[(r - s - 1) % p], chunks[(r - s - 2) % p]
         part = incoming[: recv.numel()]
