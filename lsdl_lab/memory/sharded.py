@@ -98,6 +98,23 @@ class _Unit:
             p.data = p.data.new_empty(0)
 
 
+def _check_shardable(model: nn.Module) -> None:
+    """Raise unless ``model`` meets :class:`ZeroOptimizer`'s limits."""
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("Invalid model: it has no parameters")
+    if any(not p.requires_grad for p in params):
+        raise ValueError("Invalid model: every parameter must require a gradient")
+    if len({(p.dtype, p.device) for p in params}) > 1:
+        raise ValueError("Invalid model: its parameters must share one dtype and device")
+    owned = [p for module in model.modules() for p in module.parameters(recurse=False)]
+    if len(owned) != len(params):
+        raise ValueError(
+            "Invalid model: a parameter belongs to two modules (tied weights); each "
+            "parameter must be gathered by the one module that uses it"
+        )
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO-DP stage 1, 2 or 3 (Rajbhandari et al. 2020) around ``optimizer_class``.
 
@@ -158,8 +175,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         self.stage = check_int("stage", stage, 1, 3)
         check_choice("master_dtype", master_dtype, (None, torch.float32, torch.float64))
-        if any(not p.requires_grad for p in model.parameters()):
-            raise ValueError("Invalid model: every parameter must require a gradient")
+        _check_shardable(model)
         self.model, self.group = model, process_group
         self.world = dist.get_world_size(process_group)
         rank = dist.get_rank(process_group)
@@ -168,8 +184,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             params = list(module.parameters(recurse=False))
             if params:
                 self.units.append(_Unit(module, params, self.world, rank))
-        if not self.units:
-            raise ValueError("Invalid model: it has no parameters")
         first = dist.get_global_rank(process_group, 0) if process_group else 0
         with torch.no_grad():
             for unit in self.units:

@@ -122,6 +122,13 @@ def test_loss_scaler_over_the_group_skips_on_every_rank(ranks):
     assert [out["skip_unshared"]["scale"] for out in ranks] == [4.0, 2.0]
 
 
+def tied() -> nn.Module:
+    """An embedding and an output layer that share one weight (as the GPT's)."""
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    return model
+
+
 @pytest.mark.parametrize(
     "args, kwargs, name, error",
     [
@@ -138,6 +145,14 @@ def test_loss_scaler_over_the_group_skips_on_every_rank(ranks):
             "master_dtype",
             ValueError,
         ),
+        ((nn.ReLU(), optim.Adam), {}, "model", ValueError),
+        (
+            (nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), optim.Adam),
+            {},
+            "model",
+            ValueError,
+        ),
+        ((tied(), optim.Adam), {}, "model", ValueError),
     ],
 )
 def test_bad_arguments(args, kwargs, name, error):
