@@ -11,17 +11,23 @@ torch.optim optimizer).
 """
 
 from .adadelta import Adadelta
+from .adafactor import Adafactor
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
 from .adamax import Adamax
 from .base import Optimizer
+from .hessian_free import HessianFree
+from .kfac import KFAC
 from .lamb import LAMB
 from .lars import LARS
 from .layerwise import param_groups_for_layerwise, trust_ratio
 from .nadam import NAdam
+from .newton import Newton
 from .rmsprop import RMSprop
 from .sam import SAM
 from .sgd import SGD
+from .shampoo import Shampoo
+from .sm3 import SM3
 
 __all__ = [
     "SGD",
@@ -35,6 +41,12 @@ __all__ = [
     "LARS",
     "LAMB",
     "SAM",
+    "KFAC",
+    "Shampoo",
+    "Newton",
+    "HessianFree",
+    "Adafactor",
+    "SM3",
     "Optimizer",
     "param_groups_for_layerwise",
     "trust_ratio",

@@ -21,6 +21,8 @@ import inspect
 import io
 import math
 import re
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -31,6 +33,33 @@ from lsdl_lab import optim
 from lsdl_lab.models import MLP
 
 nan, inf = float("nan"), float("inf")
+
+
+def backward_closure(model, opt, x, y):
+    """The first-order closure: the gradient into ``.grad``, the loss returned."""
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def loss_closure(model, opt, x, y):
+    """Newton's closure: the loss with its graph (it differentiates the loss twice itself)."""
+    return lambda: F.cross_entropy(model(x), y)
+
+
+def outputs_closure(model, opt, x, y):
+    """HessianFree's closure: the loss and the model's outputs, with their graph."""
+
+    def closure():
+        out = model(x)
+        return F.cross_entropy(out, y), out
+
+    return closure
 
 
 @dataclass(frozen=True)
@@ -45,9 +74,11 @@ class Spec:
     bad: tuple[tuple[dict, type, str], ...] = ()
     fixed: dict = field(default_factory=dict)
     separable: bool = True
+    closure: Callable = backward_closure  # (model, opt, x, y) -> the closure step takes
+    factory: Callable | None = None  # (params, **options) -> optimizer, when not cls itself
 
     def make(self, params, **options):
-        return self.cls(params, **self.fixed, **options)
+        return (self.factory or self.cls)(params, **self.fixed, **options)
 
     def __str__(self):
         return self.cls.__name__
@@ -113,6 +144,52 @@ OPTIMIZERS = [
          ((dict(rho=-1.0), ValueError, "Invalid rho: -1.0"),
           (dict(rho=nan), ValueError, "Invalid rho: nan")),
          fixed=dict(base_optimizer=optim.SGD), separable=False),
+    Spec(optim.Adafactor, (dict(lr=1e-2), dict(lr=1e-2, beta2_decay=-0.5, eps1=1e-6, eps2=1e-2,
+                                               d=2.0, weight_decay=0.01, beta1=0.9),
+                           dict(lr=1e-3, relative_step=False, scale_parameter=False, d=inf)),
+         ((dict(beta2_decay=0.0), ValueError,
+           "Invalid beta2_decay value: 0.0 (expected a finite number in [-1, 0))"),
+          (dict(beta2_decay=-1.5), ValueError, "Invalid beta2_decay value: -1.5"),
+          (dict(d=0.0), ValueError, "Invalid d value: 0.0 (expected a number > 0)"),
+          (dict(d=nan), ValueError, "Invalid d value: nan"),
+          (dict(eps1=-1e-30), ValueError, "Invalid eps1 value: -1e-30"),
+          (dict(eps1="1"), TypeError, "Invalid eps1 value: '1'"),
+          (dict(beta1=1.0), ValueError,
+           "Invalid beta1 value: 1.0 (expected a finite number in [0, 1))"),
+          (dict(beta1=-0.1), ValueError, "Invalid beta1 value: -0.1"),
+          (dict(beta1="0.9"), TypeError, "Invalid beta1 value: '0.9'"))),
+    Spec(optim.SM3, (dict(lr=0.1), dict(lr=0.05, momentum=0.9, eps=1e-8)), MOMENTUM_BAD),
+    Spec(optim.KFAC, (dict(lr=0.05, fisher="empirical"),
+                      dict(lr=0.05, fisher="empirical", damping=1e-2, update_freq=3,
+                           factor_decay=0.9, kl_clip=None, momentum=0.5, weight_decay=1e-3)),
+         ((dict(damping=-1.0), ValueError, "Invalid damping: -1.0"),
+          (dict(update_freq=0), ValueError, "Invalid update_freq: 0 (expected an int >= 1)"),
+          (dict(kl_clip=0.0), ValueError, "Invalid kl_clip: 0.0")),
+         factory=lambda params, **options: kfac_on_owner(params, **options)),
+    Spec(optim.Shampoo, (dict(lr=0.1), dict(lr=0.1, epsilon=1e-4, update_freq=3, momentum=0.9,
+                                            weight_decay=1e-3, max_block_size=5, grafting="sgd"),
+                         dict(lr=0.01, grafting="none", max_block_size=7)),
+         ((dict(update_freq=0), ValueError, "Invalid update_freq: 0 (expected an int >= 1)"),
+          (dict(max_block_size=0), ValueError, "Invalid max_block_size: 0"),
+          (dict(grafting="adam"), ValueError, "Invalid grafting: 'adam'"),
+          (dict(epsilon=0.0), ValueError, "Invalid epsilon (with Adagrad grafting): 0.0"))),
+    Spec(optim.Newton, (dict(lr=1.0, damping=1.0),
+                        dict(lr=1.0, damping=0.1, method="cg", cg_iters=20, line_search=True),
+                        dict(lr=0.5, damping=0.5)),
+         ((dict(damping=-1.0), ValueError, "Invalid damping: -1.0"),
+          (dict(method="newton"), ValueError, "Invalid method: 'newton'"),
+          (dict(cg_iters=0), ValueError, "Invalid cg_iters: 0 (expected an int >= 1)"),
+          (dict(max_params=1), ValueError, "parameters, more than max_params=1")),
+         separable=False, closure=loss_closure),
+    Spec(optim.HessianFree, (dict(lr=1.0, damping=1.0),
+                             dict(lr=1.0, damping=0.5, cg_iters=10, cg_tol=1e-3,
+                                  warm_start_decay=0.0, line_search=True, adapt_damping=False),
+                             dict(lr=0.8, damping=2.0)),
+         ((dict(damping=-1.0), ValueError, "Invalid damping: -1.0"),
+          (dict(cg_iters=0), ValueError, "Invalid cg_iters: 0 (expected an int >= 1)"),
+          (dict(warm_start_decay=1.5), ValueError, "Invalid warm_start_decay: 1.5"),
+          (dict(cg_tol=-1.0), ValueError, "Invalid cg_tol: -1.0")),
+         separable=False, closure=outputs_closure),
 ]  # fmt: skip
 
 CASES = [(spec, options) for spec in OPTIMIZERS for options in spec.options]
@@ -138,23 +215,32 @@ def batch(t: int):
     return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
 
 
+MODELS = weakref.WeakSet()  # the models of make_model, for KFAC, which takes its model
+
+
 def make_model(seed=0):
     torch.manual_seed(seed)
-    return MLP(6, 3, hidden=12, depth=2)
+    model = MLP(6, 3, hidden=12, depth=2)
+    MODELS.add(model)
+    return model
+
+
+def kfac_on_owner(params, **options):
+    """KFAC on the model of make_model that owns ``params`` (or on a stand-in Linear layer
+    for loose tensors, whose parameters then all take K-FAC's first-order fallback)."""
+    params = list(params)
+    tensors = [q for g in params for q in (g["params"] if isinstance(g, dict) else [g])]
+    owner = next((m for m in MODELS if any(p is tensors[0] for p in m.parameters())), None)
+    return optim.KFAC(owner or torch.nn.Linear(1, 1), params=params, **options)
 
 
 def train(model, opt, steps):
-    """Steps that suit every optimizer: the gradient at w in ``.grad``, then ``step(closure)``
-    (SAM needs both; the others recompute the same gradient in the closure)."""
+    """Steps that suit every optimizer: the closure called once (the gradient at w in
+    ``.grad``), then ``step(closure)`` (SAM needs both; the others recompute the same
+    gradient in the closure; Newton's and HessianFree's closures return the loss's graph)."""
+    make_closure = next(spec.closure for spec in OPTIMIZERS if type(opt) is spec.cls)
     for t in steps:
-        x, y = batch(t)
-
-        def closure(x=x, y=y):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
-
+        closure = make_closure(model, opt, *batch(t))
         closure()
         opt.step(closure)
     return model, opt
@@ -352,18 +438,18 @@ def test_complex_parameters_are_refused(spec):
 def test_step_returns_the_closures_loss(spec, options):
     model = make_model()
     opt = spec.make(model.parameters(), **options)
-    x, y = batch(0)
+    inner = spec.closure(model, opt, *batch(0))
     losses = []
 
     def closure():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        losses.append(loss)
-        return loss
+        result = inner()
+        losses.append(result[0] if isinstance(result, tuple) else result)
+        return result
 
     closure()
-    assert opt.step(closure) is losses[-1] and math.isfinite(losses[-1].item())
+    # the loss at the weights the step started from: the first the step computed (a line
+    # search or Hessian-free's reduction ratio evaluates more)
+    assert opt.step(closure) is losses[1] and math.isfinite(losses[1].item())
 
 
 @pytest.mark.parametrize(("spec", "options"), CASES, ids=CASE_IDS)

@@ -1,0 +1,231 @@
+r"""Adafactor (Shazeer and Stern, 2018, "Adafactor: Adaptive Learning Rates with Sublinear
+Memory Cost"): Adam's second moment, factored. For an :math:`n \times m` weight it keeps a
+running average of the row means :math:`R_t \in \mathbb{R}^n` and of the column means
+:math:`C_t \in \mathbb{R}^m` of :math:`G_t^2` and rebuilds the second moment as their
+rank-one product, so the state is :math:`n + m` numbers instead of Adam's :math:`2nm`.
+
+.. math::
+    \hat\beta_{2t} &= 1 - t^{c} \quad (c = \texttt{beta2\_decay} \in [-1, 0),
+                      \text{the paper's } c = -0.8) \\
+    \rho_t &= \min(\eta, 1/\sqrt t) \ \text{(relative step)} \quad\text{or}\quad \eta \\
+    \alpha_t &= \max(\epsilon_2, \operatorname{RMS}(W_{t-1}))\, \rho_t
+               \ \text{(parameter scale)} \quad\text{or}\quad \rho_t \\
+    W_{t-1} &\leftarrow (1 - \eta\lambda)\, W_{t-1} \quad\text{(decoupled weight decay)} \\
+    R_t &= \hat\beta_{2t} R_{t-1} + (1 - \hat\beta_{2t})\, \operatorname{mean}_j G_t^2, \qquad
+    C_t = \hat\beta_{2t} C_{t-1} + (1 - \hat\beta_{2t})\, \operatorname{mean}_i G_t^2 \\
+    \hat V_t &= R_t C_t / \max(\operatorname{mean}_i R_t, \epsilon_1) \quad
+               (\text{a vector: } \hat V_t = \hat\beta_{2t} \hat V_{t-1}
+               + (1 - \hat\beta_{2t})\, G_t^2) \\
+    U_t &= G_t / \max(\sqrt{\hat V_t}, \epsilon_1), \qquad
+    \hat U_t = U_t / \max(1, \operatorname{RMS}(U_t) / d) \quad\text{(update clipping)} \\
+    M_t &= \beta_1 M_{t-1} + (1 - \beta_1)\, \hat U_t
+           \quad (\text{only with } \beta_1; \text{ else } M_t = \hat U_t) \\
+    W_t &= W_{t-1} - \alpha_t M_t
+
+A tensor of order :math:`k > 2` is factored over its last two dimensions (a batch of
+matrices: state :math:`\prod_{i<k-1} n_i \cdot (n_{k-1} + n_k)`); vectors and scalars keep
+the full (unfactored) :math:`\hat V_t`.
+
+**The variant, and how it differs.** With ``beta1=None``, ``relative_step=True`` and
+``scale_parameter=True`` (the defaults) this is :class:`torch.optim.Adafactor` step for step
+(the same names ``lr``, ``beta2_decay``, ``d``, ``weight_decay``, its ``eps=(eps1, eps2)``
+as two arguments ``eps1``, ``eps2``, and its state names), and
+``tests/optim/test_adafactor.py`` checks that bit for bit. From the paper (its Algorithms 4
+and 5 with update clipping, the increasing decay rate and the relative step size) it differs
+where torch.optim does: the relative step's cap is ``lr`` (the paper's constant 0.01, the
+default); weight decay, which the paper leaves open, is decoupled and scaled by ``lr``;
+:math:`\epsilon_1` (default: the dtype's machine epsilon) bounds
+:math:`\operatorname{mean}_i R_t` and :math:`\sqrt{\hat V_t}` from below instead of being
+added to :math:`G_t^2` (the paper's :math:`\epsilon_1 = 10^{-30}`; here it is squared, and
+:math:`10^{-30}` squared is 0 in float32: a coordinate whose gradient was always zero then
+gives :math:`0/0`); means instead of the paper's sums (the same :math:`\hat V_t`).
+
+Beyond torch.optim: update clipping accepts any :math:`d > 0` (torch requires
+:math:`d \ge 1`; ``d=inf`` turns clipping off); ``beta1`` adds the first moment of the
+paper's experiments (:math:`\beta_1 = 0.9` beside 0), here an average of the
+*clipped* update :math:`\hat U_t` taken before the step size :math:`\alpha_t`, so that it
+does not depend on the learning-rate schedule (it costs :math:`nm` more numbers);
+``relative_step=False`` makes :math:`\rho_t = \eta` an absolute step size and
+``scale_parameter=False`` drops the parameter scale (:math:`\alpha_t = \rho_t`).
+
+optax's ``adafactor`` is a chain: the factored second moment with :math:`\epsilon_1 =
+10^{-30}` added to :math:`G_t^2`, factoring the two *largest* dimensions and only when the
+second largest has at least 128 entries (``min_dim_size_to_factor``), then block-RMS
+clipping, the learning rate (a schedule gives the relative step), the parameter scale, an
+optional momentum on the *scaled* update and weight decay not multiplied by the learning
+rate. pytorch-optimizer's ``AdaFactor`` (the Big Vision variant) adds :math:`\epsilon_1 =
+10^{-30}` to :math:`G_t^2`, caps :math:`\hat\beta_{2t}` by ``betas[1]``, ignores ``lr``
+under ``relative_step`` (the cap is 0.01), keeps momentum on by default (``betas[0] =
+0.9``, in bfloat16, on the update *after* the step size) and scales weight decay by
+:math:`\alpha_t`. All of them, like this one, keep vectors unfactored.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._util import check_nonnegative, check_real
+from .base import Optimizer
+from .pieces import decoupled_weight_decay_
+
+__all__ = ["Adafactor"]
+
+
+class Adafactor(Optimizer):
+    """Adafactor with factored second moment, relative or absolute step size, parameter
+    scaling, update clipping at RMS ``d``, optional first moment ``beta1`` and decoupled
+    weight decay; with the defaults, :class:`torch.optim.Adafactor` (``eps=(eps1, eps2)``)."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-2,
+        beta2_decay: float = -0.8,
+        eps1: float | None = None,
+        eps2: float = 1e-3,
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        beta1: float | None = None,
+        relative_step: bool = True,
+        scale_parameter: bool = True,
+        *,
+        foreach: bool = True,
+    ):
+        defaults = dict(
+            lr=lr,
+            beta2_decay=beta2_decay,
+            eps1=eps1,
+            eps2=eps2,
+            d=d,
+            weight_decay=weight_decay,
+            beta1=beta1,
+            relative_step=relative_step,
+            scale_parameter=scale_parameter,
+        )
+        super().__init__(params, defaults, foreach)
+
+    def check(self, group):
+        # c = -1 averages all squared gradients alike (1 - beta2_t = 1/t); c < -1 would weigh
+        # the newest gradient less than the oldest, and c = 0 would keep no average at all
+        check_real("beta2_decay value", group["beta2_decay"], -1.0, 0.0, high_open=True)
+        if group["eps1"] is not None:
+            check_nonnegative("eps1 value", group["eps1"])
+        check_nonnegative("eps2 value", group["eps2"])
+        check_real("d value", group["d"], 0.0, low_open=True, finite=False)  # inf: no clipping
+        if group["beta1"] is not None:
+            check_real("beta1 value", group["beta1"], 0.0, 1.0, high_open=True)
+
+    def factors(self, p: Tensor) -> tuple[Tensor, Tensor]:
+        """The row and column averages :math:`R` (shape ``[..., n, 1]``) and :math:`C`
+        (``[..., 1, m]``) of the parameter ``p`` of shape ``[..., n, m]``."""
+        state = self.state[p]
+        if "row_var" not in state:
+            state["row_var"] = p.new_zeros((*p.shape[:-1], 1))
+            state["col_var"] = p.new_zeros((*p.shape[:-2], 1, p.shape[-1]))
+        return state["row_var"], state["col_var"]
+
+    def update(self, group, params, grads):
+        r"""Adafactor's step (Shazeer and Stern, 2018, Algorithms 4 and 5, with update
+        clipping and the relative step size; the variant of the module docstring):
+
+        .. math::
+            \hat\beta_{2t} &= 1 - t^{c}, \qquad
+            \alpha_t = \max(\epsilon_2, \operatorname{RMS}(W_{t-1}))\,\min(\eta, 1/\sqrt t) \\
+            W_{t-1} &\leftarrow (1 - \eta\lambda)\, W_{t-1} \\
+            R_t &= \hat\beta_{2t} R_{t-1} + (1 - \hat\beta_{2t})\, \operatorname{mean}_j G_t^2,
+            \qquad C_t = \hat\beta_{2t} C_{t-1} + (1 - \hat\beta_{2t})\,
+            \operatorname{mean}_i G_t^2 \\
+            \hat V_t &= R_t C_t / \max(\operatorname{mean}_i R_t, \epsilon_1)
+            \quad\text{(a vector: } \hat V_t = \hat\beta_{2t} \hat V_{t-1}
+            + (1 - \hat\beta_{2t})\, G_t^2) \\
+            U_t &= G_t / \max(\sqrt{\hat V_t}, \epsilon_1), \qquad
+            \hat U_t = U_t / \max(1, \operatorname{RMS}(U_t) / d) \\
+            M_t &= \beta_1 M_{t-1} + (1 - \beta_1)\, \hat U_t \ (\text{or } M_t = \hat U_t),
+            \qquad W_t = W_{t-1} - \alpha_t M_t
+        """
+        lr, c, eps2, d = group["lr"], group["beta2_decay"], group["eps2"], group["d"]
+        beta1 = group["beta1"]
+        eps1 = [group["eps1"] for _ in params]
+        if group["eps1"] is None:  # torch.optim's default: the dtype's machine epsilon
+            eps1 = [torch.finfo(p.dtype).eps for p in params]
+        t = self.count_steps(params)
+        rho = [min(lr, 1 / k**0.5) if group["relative_step"] else lr for k in t]
+        alpha = rho
+        if group["scale_parameter"]:  # RMS(W_{t-1}) before the weight decay, as torch.optim
+            rms = [n.item() / p.numel() ** 0.5 for n, p in zip(torch._foreach_norm(params), params)]
+            alpha = [max(eps2, s) * r for s, r in zip(rms, rho)]
+        decoupled_weight_decay_(params, lr, group["weight_decay"])
+        one_minus_beta2 = [k**c for k in t]
+
+        # V_hat in the parameters' order: factored for matrices (and order-k tensors), full
+        # for vectors and scalars
+        v_hat: list[Tensor | None] = [None] * len(params)
+        matrices = [i for i, g in enumerate(grads) if g.dim() > 1]
+        if matrices:
+            for i, v in zip(
+                matrices,
+                self.factored_second_moment(
+                    [params[i] for i in matrices],
+                    [grads[i] for i in matrices],
+                    [one_minus_beta2[i] for i in matrices],
+                    [eps1[i] for i in matrices],
+                ),
+            ):
+                v_hat[i] = v  # fmt: skip
+        vectors = [i for i, g in enumerate(grads) if g.dim() <= 1]
+        if vectors:
+            v = self.buffer([params[i] for i in vectors], "variance")
+            g = [grads[i] for i in vectors]
+            g2 = torch._foreach_mul(g, g)
+            torch._foreach_lerp_(v, g2, [one_minus_beta2[i] for i in vectors])
+            del g2
+            for i, v_i in zip(vectors, v):
+                v_hat[i] = v_i.clone()  # the update is built in place: keep the state
+
+        # U_t = G_t / max(sqrt(V_hat), eps1), as rsqrt(max(V_hat, eps1^2)) (torch.optim's)
+        u = v_hat
+        torch._foreach_clamp_min_(u, [e * e for e in eps1])
+        torch._foreach_rsqrt_(u)
+        torch._foreach_mul_(u, grads)
+        # max(1, RMS(U_t)/d) as Python numbers, as torch.optim computes them, so the steps
+        # agree bit for bit (on a GPU this costs one synchronization per parameter)
+        clip = [
+            max(1.0, n.item() / (u_i.numel() ** 0.5 * d))
+            for n, u_i in zip(torch._foreach_norm(u), u)
+        ]
+        if beta1 is None:
+            torch._foreach_mul_(u, [-a / k for a, k in zip(alpha, clip)])
+            torch._foreach_add_(params, u)
+            return
+        torch._foreach_div_(u, clip)
+        m = self.buffer(params, "exp_avg")
+        torch._foreach_lerp_(m, u, 1 - beta1)
+        del u
+        torch._foreach_add_(params, torch._foreach_mul(m, [-a for a in alpha]))
+
+    def factored_second_moment(
+        self, params: list[Tensor], grads: list[Tensor], weight: list[float], eps1: list[float]
+    ) -> list[Tensor]:
+        r""":math:`\hat V_t = R_t C_t / \max(\operatorname{mean}_i R_t, \epsilon_1)` for each
+        matrix (or batch of matrices), after updating its factors :math:`R_t` and
+        :math:`C_t` in place with weight :math:`1 - \hat\beta_{2t}`; new tensors.
+
+        Reductions along one dimension and the outer product have no ``_foreach`` form, so
+        those are one call per tensor (as in torch.optim's multi-tensor Adafactor); the
+        elementwise steps between them are multi-tensor calls, in torch.optim's order.
+        ``torch.norm(g, dim)`` squared is :math:`\sum_j g_{ij}^2` without a temporary the
+        size of :math:`G_t`.
+        """
+        rows, cols = zip(*(self.factors(p) for p in params))
+        for factors, dim in ((rows, -1), (cols, -2)):
+            mean_g2 = [torch.norm(g, dim=dim, keepdim=True) for g in grads]
+            torch._foreach_mul_(mean_g2, mean_g2)
+            torch._foreach_div_(mean_g2, [g.size(dim) for g in grads])
+            torch._foreach_lerp_(list(factors), mean_g2, weight)
+            del mean_g2
+        v_hat = [r @ c for r, c in zip(rows, cols)]
+        mean_r = [r.mean(dim=-2, keepdim=True) for r in rows]
+        torch._foreach_clamp_min_(mean_r, eps1)
+        torch._foreach_div_(v_hat, mean_r)
+        return v_hat
