@@ -21,7 +21,7 @@ __all__ = ["CGInfo", "cg"]
 class CGInfo(NamedTuple):
     """How a :func:`cg` solve went."""
 
-    iterations: int  # products of A made (one per iteration)
+    iterations: int  # products of A made by the iterations (a warm start adds one)
     residual_norms: list[float]  # ||b - (A + damping I) x_k||, k = 0 .. iterations
     converged: bool  # the last residual norm is at most tol * ||b||
     indefinite: bool  # stopped at a direction p with p^T (A + damping I) p <= 0
@@ -48,9 +48,12 @@ def cg(
               \quad p_{k+1} = r_{k+1} + \frac{r_{k+1}^\top r_{k+1}}{r_k^\top r_k}\,p_k,
 
     until :math:`\|r_k\| \le` ``tol`` :math:`\cdot\|b\|` or ``max_iters`` products (default
-    ``A.dim``: in exact arithmetic CG ends within ``dim`` steps). A warm start costs one more
-    product (its residual). If :math:`p^\top(A+\lambda I)p \le 0` the operator is not
-    positive definite along :math:`p`: CG stops there and says so (``info.indefinite``), as
+    ``10 * A.dim``: in exact arithmetic CG ends within ``dim`` steps, in floating point it
+    loses the conjugacy of its directions and can need several times more; its error falls
+    like :math:`((\sqrt\kappa-1)/(\sqrt\kappa+1))^k` for the condition number
+    :math:`\kappa`). A warm start costs one more product (its residual). If
+    :math:`p^\top(A+\lambda I)p \le 0` the operator is not positive definite along
+    :math:`p`: CG stops there and says so (``info.indefinite``), as
     Hessian-free does with an indefinite Hessian. Returns :math:`x` and a :class:`CGInfo`.
     """
     if not isinstance(A, CurvatureOperator):
@@ -59,7 +62,7 @@ def cg(
     if b.shape != (A.dim,):
         raise ValueError(f"Invalid b: shape {tuple(b.shape)} (expected ({A.dim},))")
     damping = check_nonnegative("damping", damping)
-    max_iters = A.dim if max_iters is None else check_int("max_iters", max_iters, 1)
+    max_iters = 10 * A.dim if max_iters is None else check_int("max_iters", max_iters, 1)
     tol = check_nonnegative("tol", tol)
 
     def matvec(v):

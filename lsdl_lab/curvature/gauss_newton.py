@@ -36,7 +36,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, jvp, vjp
+from torch.func import functional_call, grad, jvp, vjp, vmap
 
 from .._util import LossFn, check_bool, check_int, eval_mode
 from .operators import ParameterOperator, affine_batchnorm
@@ -176,23 +176,23 @@ class FisherOperator(_OutputSpaceOperator):
         with torch.no_grad(), eval_mode(model), affine_batchnorm(model):
             self._targets = [self._draw(model(x), y, gen) for x, y in self.batches]
 
-    def _draw(self, out: torch.Tensor, y: torch.Tensor, gen) -> list[torch.Tensor]:
-        """The targets of one batch: ``samples`` draws from q(. | f), or the labels."""
+    def _draw(self, out: torch.Tensor, y: torch.Tensor, gen) -> torch.Tensor:
+        """The targets of one batch, stacked: ``samples`` draws from q(. | f), or the labels."""
         if out.ndim != 2:
             raise ValueError(
                 f"Invalid model: outputs of shape {tuple(out.shape)} (expected (batch, outputs))"
             )
         if self.empirical:
-            return [y]
+            return y[None]
         if self.family == "cross_entropy":
             draws = out.softmax(1).multinomial(self.samples, replacement=True, generator=gen)
-            return list(draws.T)
+            return draws.T
         noise = torch.normal(
             torch.zeros(self.samples, *out.shape, dtype=out.dtype, device=out.device),
             torch.tensor(math.sqrt(0.5), device=out.device),
             generator=gen,
         )
-        return [out - e for e in noise]  # the gradient of ||f - (f - e)||^2 is 2 e
+        return out - noise  # the gradient of ||f - (f - e)||^2 is 2 e
 
     def _reduction_factor(self, out: torch.Tensor) -> float:
         if self.reduction == "sum":
@@ -200,13 +200,10 @@ class FisherOperator(_OutputSpaceOperator):
         return out.shape[0] * (1 if self.family == "cross_entropy" else out.shape[1])
 
     def _output_product(self, b, out, u):
-        loss_grad = grad(lambda f, t: self.loss_fn(f, t))
-        scale = self._reduction_factor(out) / len(self._targets[b])
-        result = torch.zeros_like(u)
-        for t in self._targets[b]:
-            g = loss_grad(out, t)  # (N, C): one row per example
-            result += scale * g * (g * u).sum(1, keepdim=True)
-        return result
+        targets = self._targets[b]
+        g = vmap(grad(self.loss_fn), in_dims=(None, 0))(out, targets)  # (M, N, C): g_nm
+        scale = self._reduction_factor(out) / len(targets)
+        return scale * (g * (g * u).sum(2, keepdim=True)).sum(0)
 
     def __repr__(self) -> str:
         kind = "empirical" if self.empirical else f"samples={self.samples}"

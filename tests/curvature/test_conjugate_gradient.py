@@ -1,0 +1,96 @@
+"""Tests of lsdl_lab.curvature.conjugate_gradient.cg: dense systems with a known solution,
+the damped Gauss-Newton system G v = -g of a small network, budget, warm start, an
+indefinite operator, and bad arguments."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import mlp, symmetric
+
+from lsdl_lab import curvature as cv
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"  # inside torch.func.jvp
+)
+
+
+def spd(n=30, condition=1e3, seed=0):
+    return symmetric(torch.logspace(0, torch.log10(torch.tensor(condition)), n).double(), seed)[0]
+
+
+@pytest.mark.parametrize("damping", [0.0, 0.5])
+def test_cg_solves_a_dense_system_to_its_tolerance(damping):
+    A = spd()
+    op = cv.DenseOperator(A)
+    b = torch.randn(30, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x, info = cv.cg(op, b, damping=damping, tol=1e-8)
+    M = A + damping * torch.eye(30, dtype=torch.float64)
+    residual = (b - M @ x).norm() / b.norm()
+    assert info.converged and not info.indefinite
+    assert residual <= 1e-8 * 1.01
+    assert info.residual_norms[-1] / b.norm() == pytest.approx(residual.item(), rel=1e-3)
+    assert len(info.residual_norms) == info.iterations + 1 and op.products == info.iterations
+    torch.testing.assert_close(x, torch.linalg.solve(M, b), rtol=1e-6, atol=0)
+
+
+def test_cg_ends_in_as_many_steps_as_distinct_eigenvalues():
+    A = symmetric(torch.tensor([1.0, 2.0, 5.0] * 4, dtype=torch.float64))[0]
+    x, info = cv.cg(cv.DenseOperator(A), torch.ones(12, dtype=torch.float64), tol=1e-10)
+    assert info.converged and info.iterations == 3
+
+
+def test_cg_solves_the_damped_gauss_newton_system_of_a_network():
+    """G v = -g, the Newton-like step of Hessian-free optimization (Martens, 2010)."""
+    model, x, y = mlp()
+    loss = F.cross_entropy(model(x), y)
+    g = torch.cat([t.flatten() for t in torch.autograd.grad(loss, list(model.parameters()))])
+    G = cv.GGNOperator(model, F.cross_entropy, [(x, y)])
+    for damping, tol in [(1e-3, 1e-6), (1e-1, 1e-10)]:
+        v, info = cv.cg(G, -g, damping=damping, tol=tol, max_iters=500)
+        assert info.converged
+        residual = (-g - (G @ v) - damping * v).norm() / g.norm()
+        assert residual <= tol * 1.01
+
+
+def test_budget_and_warm_start():
+    A = spd(condition=1e4)
+    op = cv.DenseOperator(A)
+    b = torch.ones(30, dtype=torch.float64)
+    x3, info3 = cv.cg(op, b, max_iters=3, tol=1e-12)
+    assert info3.iterations == 3 and not info3.converged
+    op.products = 0
+    x, info = cv.cg(op, b, x0=x3, tol=1e-12)
+    cold = cv.cg(cv.DenseOperator(A), b, tol=1e-12)[1]
+    assert info.converged and info.residual_norms[0] == pytest.approx(info3.residual_norms[-1])
+    assert op.products == info.iterations + 1  # the warm start's residual costs one product
+    assert info.iterations <= cold.iterations
+    _, at_solution = cv.cg(op, b, x0=x, tol=1e-6)
+    assert at_solution.iterations == 0 and at_solution.converged
+
+
+def test_cg_stops_on_an_indefinite_operator():
+    A = symmetric(torch.tensor([3.0, 1.0, -2.0], dtype=torch.float64))[0]
+    b = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
+    _, info = cv.cg(cv.DenseOperator(A), b, max_iters=10, tol=1e-12)
+    assert info.indefinite and not info.converged
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        (dict(damping=-1.0), ValueError, "damping"),
+        (dict(max_iters=0), ValueError, "max_iters"),
+        (dict(max_iters=2.5), TypeError, "max_iters"),
+        (dict(tol=-1e-3), ValueError, "tol"),
+        (dict(b=torch.ones(4, dtype=torch.float64)), ValueError, "b"),
+        (dict(b=[1.0, 2.0, 3.0]), TypeError, "b"),
+        (dict(x0=torch.ones(2, dtype=torch.float64)), ValueError, "x0"),
+        (dict(A=torch.eye(3)), TypeError, "A"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(kwargs, error, name):
+    args = {"A": cv.DenseOperator(torch.eye(3, dtype=torch.float64))}
+    args["b"] = torch.ones(3, dtype=torch.float64)
+    args |= kwargs
+    with pytest.raises(error, match=f"Invalid {name}:"):
+        cv.cg(args.pop("A"), args.pop("b"), **args)
