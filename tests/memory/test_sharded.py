@@ -54,6 +54,21 @@ def test_stage_follows_ddp_and_one_process_on_the_global_batch(ranks, stage):
     )
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage_follows_one_process_on_a_model_with_nested_units(ranks, stage):
+    # Gained owns a parameter and a child Linear that owns two: the parent's shard is
+    # gathered around the child's in forward and backward.
+    for out in ranks:
+        trajectory = out[f"zero{stage}_nested"]["trajectory"]
+        assert max_gap(trajectory, out["reference_nested"]) <= ATOL
+
+
+def test_stage_3_predicts_as_stage_1_and_frees_each_layer_without_backward(ranks):
+    for out in ranks:
+        assert torch.equal(out["zero3"]["prediction"], out["zero1"]["prediction"])
+        assert out["zero3"]["released"] and not out["zero1"]["released"]
+
+
 def test_torch_zero_redundancy_optimizer_follows_stage_1_and_fsdp2_stage_3(ranks):
     for out in ranks:
         assert max_gap(out["zero_redundancy"], out["zero1_torch"]) <= ATOL
