@@ -1,0 +1,412 @@
+"""The experiments of Chapter 7 and its lab, as workers for :func:`~lsdl_lab.dist.spawn`.
+
+A notebook cannot spawn a function it defines (each process would re-run the notebook),
+so every experiment the chapter and the lab run on a world of processes lives here, as a
+top-level function ``fn(rank, world_size, ...)`` that returns plain results (numbers,
+lists, dicts), the same on every rank unless it says otherwise::
+
+    from lsdl_lab.dist import spawn
+    from lsdl_lab.dist.experiments import collective_times
+    result = spawn(collective_times, 2, [4_000, 400_000, 4_000_000])[0]
+
+* :func:`collective_times`: the hand-built ring and tree all-reduce against
+  ``dist.all_reduce`` over sizes, with the alpha-beta model fitted to each;
+* :func:`compression_run`: one small classifier trained under DDP with each compressor's
+  hook: bytes handed to the collectives, test accuracy, encode/decode time;
+* :func:`local_sgd_run`: local SGD at several averaging periods, and the overlap of
+  communication with the backward pass at two bucket sizes;
+* :func:`model_parallel_run`: a tensor-parallel transformer block against the dense one,
+  and a pipeline's measured bubble against (p - 1)/(m + p - 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import models
+from .._util import check_int
+from ..compress import (
+    QSGD,
+    ErrorFeedback,
+    HookState,
+    PowerSGD,
+    RandomK,
+    SignSGD,
+    TernGrad,
+    TopK,
+    allgather_hook,
+    allreduce_hook,
+    powersgd_hook,
+)
+from ..data import load_digits
+from ..parallel import TensorParallelBlock, bubble_fraction, pipeline_step
+from .collectives import ring_all_reduce, tree_all_reduce
+from .cost import (
+    fit_alpha_beta,
+    measure_collective,
+    ring_all_reduce_time,
+    tree_all_reduce_time,
+)
+from .local_sgd import PeriodicAverager, average_parameters, overlap_times
+
+__all__ = [
+    "COMPRESSORS",
+    "collective_times",
+    "compression_run",
+    "digits_mlp",
+    "local_sgd_run",
+    "model_parallel_run",
+]
+
+
+def collective_times(rank, world_size, nbytes: Sequence[int], repeats: int = 5) -> dict:
+    """Seconds per all-reduce of float32 tensors of each of ``nbytes`` bytes (the minimum
+    over ``repeats``, see :func:`~lsdl_lab.dist.measure_collective`) for the ring, the
+    tree and ``dist.all_reduce``, and the (alpha, beta) fitted to the ring's and the
+    tree's times with their own models."""
+    times = {
+        name: measure_collective(fn, nbytes, repeats, statistic="min")
+        for name, fn in (
+            ("ring", ring_all_reduce),
+            ("tree", tree_all_reduce),
+            ("built-in", dist.all_reduce),
+        )
+    }
+    fits = {
+        "ring": fit_alpha_beta(ring_all_reduce_time, world_size, nbytes, times["ring"]),
+        "tree": fit_alpha_beta(tree_all_reduce_time, world_size, nbytes, times["tree"]),
+    }
+    return {
+        "nbytes": list(nbytes),
+        "seconds": times,
+        "fit": {k: (f.alpha, f.beta) for k, f in fits.items()},
+    }
+
+
+def digits_mlp(hidden: int = 128) -> nn.Module:
+    """The small classifier of the chapter's experiments: an MLP on the 8x8 digits."""
+    return models.MLP(64, 10, hidden=hidden)
+
+
+# name -> (hook, compressor factory of a rank or None, whether the hook is torch's own)
+COMPRESSORS = (
+    "none",
+    "fp16 (torch)",
+    "sign + EF",
+    "TernGrad",
+    "QSGD s=16",
+    "top-1% + EF",
+    "random-1% + EF",
+    "PowerSGD r=2",
+    "PowerSGD r=2 (torch)",
+)
+
+
+def _compressor(name: str, rank: int):
+    """(hook, a function making this rank's compressor); torch's hooks have no compressor."""
+    return {
+        "sign + EF": (allgather_hook, lambda: ErrorFeedback(SignSGD())),
+        "TernGrad": (allgather_hook, lambda: TernGrad(seed=rank)),
+        "QSGD s=16": (allgather_hook, lambda: QSGD(16, seed=rank)),
+        "top-1% + EF": (allgather_hook, lambda: ErrorFeedback(TopK(0.01))),
+        "random-1% + EF": (
+            allreduce_hook,
+            lambda: ErrorFeedback(RandomK(0.01, seed=0, scaled=False)),
+        ),
+        "PowerSGD r=2": (powersgd_hook, lambda: PowerSGD(2)),
+    }.get(name, (None, None))
+
+
+@contextlib.contextmanager
+def _counting_all_reduce(counter: list[int]):
+    """Count the bytes of the tensors handed to ``dist.all_reduce`` (torch's hooks call it
+    by that name) while the block runs."""
+    original = dist.all_reduce
+
+    @functools.wraps(original)
+    def counted(tensor, *args, **kwargs):
+        counter[0] += tensor.numel() * tensor.element_size()
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def _register(ddp: DistributedDataParallel, name: str, rank: int, start_iter: int, counter):
+    """Install the hook ``name`` on ``ddp``; returns a function giving the bytes this rank
+    has handed to collectives so far (our hooks count their own; torch's are counted in
+    ``counter`` by :func:`_counting_all_reduce`)."""
+    hook, make = _compressor(name, rank)
+    if make is not None:
+        state = HookState(make, start_iter=start_iter)
+        ddp.register_comm_hook(state, hook)
+        return lambda: state.bytes_sent
+    if name == "none":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif name == "fp16 (torch)":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "PowerSGD r=2 (torch)":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=2,
+            start_powerSGD_iter=max(start_iter, 2),
+            min_compression_rate=1,
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    else:
+        raise ValueError(f"Invalid name: {name!r} (expected one of {COMPRESSORS})")
+    return lambda: counter[0]
+
+
+def _codec_seconds(name: str, rank: int, model: nn.Module, world_size: int) -> float:
+    """Seconds to encode one step's gradient and decode what comes back (``world_size``
+    payloads after an all-gather, one after an all-reduce), median of 5, on random
+    gradients shaped like ``model``'s parameters; 0 for no compression. torch's PowerSGD
+    is timed as ours (the same products and QR), fp16 as a cast there and back."""
+    if name == "none":
+        return 0.0
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    hook, make = _compressor(name.replace(" (torch)", ""), rank)
+    runs = []
+    for _ in range(5):
+        start = time.perf_counter()
+        if make is None:
+            flat.half().float()
+        elif hook is powersgd_hook:  # one compressor per matrix; vectors go uncompressed
+            for g in grads:
+                if g.dim() > 1:
+                    c = make()
+                    c.decompress(c.compress(g))
+        else:
+            c = make()
+            payload = c.compress(flat)
+            for _ in range(world_size if hook is allgather_hook else 1):
+                c.decompress(payload)
+        runs.append(time.perf_counter() - start)
+    return sorted(runs)[len(runs) // 2]
+
+
+def _shard(x: torch.Tensor, y: torch.Tensor, step: int, batch: int, rank: int, world: int):
+    """This rank's share of global batch ``step`` (``batch`` examples, cycling the data)."""
+    per_rank = batch // world
+    start = (step * batch + rank * per_rank) % (len(x) - per_rank)
+    return x[start : start + per_rank], y[start : start + per_rank]
+
+
+def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+def _digits(seed: int):
+    digits = load_digits()
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(digits.train_y), generator=g)  # the same order on every rank
+    return digits.train_x[order], digits.train_y[order], digits.test_x, digits.test_y
+
+
+def compression_run(
+    rank,
+    world_size,
+    names: Sequence[str] = COMPRESSORS,
+    steps: int = 200,
+    batch: int = 64,
+    lr: float = 0.05,
+    make_model: Callable[[], nn.Module] = digits_mlp,
+    start_iter: int = 10,
+    seed: int = 0,
+) -> dict[str, dict]:
+    """Train ``make_model()`` on the digits under DDP with each compressor's hook, the
+    same initial weights and examples for all: ``steps`` steps of SGD (momentum 0.9) on
+    global batches of ``batch`` examples, the first ``start_iter`` uncompressed (as
+    torch's PowerSGD requires; the others follow the same schedule). For each name:
+    ``bytes_per_step``, this rank's bytes handed to collectives per compressed step;
+    ``accuracy``, the test accuracy at the end; ``seconds``, the training time;
+    ``codec_s``, the encode + decode time of one step (see :func:`_codec_seconds`)."""
+    steps = check_int("steps", steps, start_iter + 1)
+    x, y, test_x, test_y = _digits(seed)
+    results = {}
+    for name in names:
+        torch.manual_seed(seed)
+        model = make_model()
+        ddp = DistributedDataParallel(model)
+        counter = [0]
+        bytes_sent = _register(ddp, name, rank, start_iter, counter)
+        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+        start = time.perf_counter()
+        with _counting_all_reduce(counter):
+            for step in range(steps):
+                if step == start_iter:  # count only the compressed steps
+                    before = bytes_sent()
+                xb, yb = _shard(x, y, step, batch, rank, world_size)
+                opt.zero_grad()
+                nn.functional.cross_entropy(ddp(xb), yb).backward()
+                opt.step()
+        seconds = time.perf_counter() - start
+        sent = bytes_sent() - before
+        results[name] = {
+            "bytes_per_step": sent / (steps - start_iter),
+            "accuracy": _accuracy(model, test_x, test_y),
+            "seconds": seconds,
+            "codec_s": _codec_seconds(name, rank, model, world_size),
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
+    return results
+
+
+def local_sgd_run(
+    rank,
+    world_size,
+    periods: Sequence[int] = (1, 4, 16),
+    steps: int = 200,
+    batch: int = 64,
+    lr: float = 0.05,
+    warmup_steps: int = 0,
+    make_model: Callable[[], nn.Module] = digits_mlp,
+    seed: int = 0,
+) -> dict:
+    """Local SGD on the digits at each averaging period H (:class:`PeriodicAverager`, plain
+    SGD, ``batch`` examples per step over all ranks, the same examples for every H), and
+    the overlap of the gradient all-reduce with the backward pass
+    (:func:`~lsdl_lab.dist.local_sgd.overlap_times` on a batch of the same model).
+
+    Returns ``{"periods": {H: {"accuracy", "rounds", "bytes", "seconds"}}, "overlap":
+    {...}}``; ``bytes`` is what this rank handed to all-reduces (parameters or gradients
+    in float32)."""
+    x, y, test_x, test_y = _digits(seed)
+    out = {}
+    for period in periods:
+        torch.manual_seed(seed)
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        averager = PeriodicAverager(model.parameters(), period, warmup_steps)
+        start = time.perf_counter()
+        for step in range(steps):
+            xb, yb = _shard(x, y, step, batch, rank, world_size)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            averager.before_step()
+            opt.step()
+            averager.after_step()
+        average_at_end = averager.rounds
+        if (steps - warmup_steps) % period:  # evaluate one model: average a last time
+            average_parameters(model.parameters())
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        out[period] = {
+            "accuracy": _accuracy(model, test_x, test_y),
+            "rounds": average_at_end,
+            "bytes": average_at_end * size,
+            "seconds": time.perf_counter() - start,
+        }
+    xb, yb = _shard(x, y, 0, batch, rank, world_size)
+
+    def make():
+        torch.manual_seed(seed)
+        return make_model()
+
+    overlap = overlap_times(make, xb, yb, nn.functional.cross_entropy)
+    return {"periods": out, "overlap": overlap}
+
+
+class _Stage(nn.Module):
+    """One pipeline stage: ``layers`` blocks of Linear + tanh of width ``width``."""
+
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.net = nn.Sequential(
+            *[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _sum_of_squares(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).sum()
+
+
+def _timed_step(stage: nn.Module, inputs: list[torch.Tensor], schedule: str):
+    stage.zero_grad()
+    m = len(inputs)
+    return pipeline_step(
+        stage,
+        m,
+        tuple(inputs[0].shape),
+        inputs=inputs,
+        targets=inputs,
+        loss_fn=_sum_of_squares,
+        schedule=schedule,
+    )
+
+
+def model_parallel_run(
+    rank,
+    world_size,
+    micro_batches: Sequence[int] = (1, 2, 4, 8),
+    width: int = 512,
+    rows: int = 128,
+    layers: int = 4,
+    dim: int = 64,
+    heads: int = 4,
+) -> dict:
+    """Tensor and pipeline parallelism on this world.
+
+    ``"tensor"``: the book's transformer block (``dim``, ``heads``) split over the ranks
+    (:class:`~lsdl_lab.parallel.TensorParallelBlock`) against the dense block in float64:
+    the largest output and weight-gradient differences, and the bytes all-reduced per
+    forward (two all-reduces of the activations, Shoeybi et al. 2019).
+
+    ``"pipeline"``: one stage per rank (``layers`` Linear + tanh layers of ``width`` on
+    micro-batches of ``rows`` rows), one 1F1B and one GPipe step per ``micro_batches``
+    after an untimed warm-up step: measured bubble, the formula's, peak activations in
+    flight, and this rank's timeline (for a figure) at the largest m."""
+    torch.manual_seed(0)
+    block = models.TransformerBlock(dim, heads, 0.0).double()
+    tp = TensorParallelBlock(block)
+    x = torch.randn(2, 8, dim, dtype=torch.float64)
+    counter = [0]
+    with _counting_all_reduce(counter):
+        y_tp = tp(x)
+    y = block(x)
+    y.square().sum().backward()
+    y_tp.square().sum().backward()
+    # the first MLP layer is column-parallel: this rank holds rows [r*h, (r+1)*h) of it
+    w, w_tp = block.mlp[0].weight.grad, tp.mlp[0].weight.grad
+    h = w_tp.shape[0]
+    tensor = {
+        "output_error": (y - y_tp).abs().max().item(),
+        "grad_error": (w[rank * h : (rank + 1) * h] - w_tp).abs().max().item(),
+        "bytes_per_forward": counter[0],
+        "activation_bytes": x.numel() * x.element_size(),
+    }
+
+    torch.manual_seed(rank)
+    stage = _Stage(width, layers)
+    pipeline = {}
+    for m in micro_batches:
+        inputs = [torch.randn(rows, width) for _ in range(m)]
+
+        _timed_step(stage, inputs, "gpipe")  # warm-up: the first backward of a process is slow
+        for schedule in ("gpipe", "1f1b"):
+            report = _timed_step(stage, inputs, schedule)
+            pipeline[schedule, m] = {
+                "bubble": report.bubble,
+                "formula": bubble_fraction(world_size, m),
+                "peak_in_flight": report.peak_in_flight,
+                "timeline": report.timeline,
+                "total_s": report.total_s,
+            }
+    return {"tensor": tensor, "pipeline": pipeline}

@@ -1,0 +1,210 @@
+"""Checkers of Lab 7, communication: a ring all-reduce, an error-feedback step, a 1-bit
+compressor.
+
+The ring all-reduce is checked on a real world of processes. A spawned rank cannot import
+a function defined in a notebook (it would re-run the notebook, pytorch #20375), so the
+checker sends the function's *source* (``inspect.getsource``) to the ranks, each rank
+runs it with ``exec`` in a namespace that holds ``torch``, ``dist`` and ``math``, and
+calls it on tensors of several sizes, some smaller than the world. The function must
+therefore be self-contained: one ``def`` using only those names. What runs on the ranks
+is exactly the student's code, on real ``isend``/``irecv`` messages, compared with
+``dist.all_reduce``; a ring that deadlocks ends by the group's timeout and is reported as
+such.
+
+The other two are checked in this process against the library (:mod:`lsdl_lab.compress`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import textwrap
+
+import torch
+import torch.distributed as dist
+
+from ..check import CheckFailed, check_value, exercise
+from ..compress import ErrorFeedback, SignSGD, TopK
+from ..dist.world import WorkerError, spawn
+
+RING_WORLD = 3  # a world of 2 hides chunk-index mistakes that 3 ranks expose
+RING_SIZES = (1, 2, 3, 7, 1000)
+RING_TIMEOUT = 10.0  # seconds: a deadlocked ring ends after this
+
+
+def ring_source(fn) -> str:
+    """The source of ``fn``, dedented, to be sent to the ranks; a clear error when
+    ``inspect`` cannot find it (a function typed at an interactive prompt)."""
+    if not callable(fn):
+        raise TypeError(f"Invalid fn: {fn!r} (expected a function)")
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError) as exc:
+        raise CheckFailed(
+            f"cannot read the source of {getattr(fn, '__name__', fn)!r} ({exc}); define it "
+            "with def in a notebook cell or a file"
+        ) from None
+
+
+def run_student_ring(rank, world_size, source: str, name: str, sizes) -> list[dict]:
+    """Worker: define the student's function from ``source`` and run it on float64
+    tensors of each size (rank r holds ``(r + 1) * [1, 2, ...] + r``), beside
+    ``dist.all_reduce``. For each size: the largest error, whether the result is the
+    input tensor changed in place, and the result itself."""
+    namespace = {"torch": torch, "dist": dist, "math": math}
+    exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102 -- the student's code
+    fn = namespace[name]
+    out = []
+    for n in sizes:
+        x = (rank + 1) * torch.arange(1, n + 1, dtype=torch.float64) + rank
+        expected = x.clone()
+        dist.all_reduce(expected)
+        before = x.clone()
+        returned = fn(x)
+        result = returned if isinstance(returned, torch.Tensor) else x
+        out.append(
+            {
+                "size": n,
+                "error": (result - expected).abs().max().item(),
+                "in_place": not torch.equal(x, before) or n == 0,
+                "unchanged": torch.equal(result, before),
+                "result": result.clone(),
+            }
+        )
+    return out
+
+
+@exercise("lab07.ring_all_reduce")
+def check_ring_all_reduce(student_fn) -> None:
+    source = ring_source(student_fn)
+    name = student_fn.__name__
+    try:
+        ranks = spawn(run_student_ring, RING_WORLD, source, name, RING_SIZES, timeout=RING_TIMEOUT)
+    except WorkerError as err:
+        last = err.traceback.strip().splitlines()[-1]
+        if "NotImplementedError" in err.traceback:
+            raise NotImplementedError(
+                f"{name} is not implemented yet: replace the `raise NotImplementedError` "
+                "with your solution"
+            ) from None
+        hint = ""
+        if "Timed out" in err.traceback or "timeout" in last.lower():
+            hint = (
+                "\n  hint: the ranks waited for each other until the timeout: a blocking "
+                "send before a recv deadlocks in a ring; post the send and the receive "
+                "together (dist.isend and dist.irecv, or dist.batch_isend_irecv), then wait"
+            )
+        elif "NameError" in last:
+            hint = (
+                "\n  hint: the ranks run your function alone, with only torch, dist and math "
+                "defined: put every helper inside the function"
+            )
+        raise CheckFailed(
+            f"{name} failed on rank {err.rank} of a world of {RING_WORLD}: {last}{hint}"
+        ) from None
+    for rank, results in enumerate(ranks):
+        for r in results:
+            n = r["size"]
+            if r["unchanged"]:
+                raise CheckFailed(
+                    f"{name}: on rank {rank}, a tensor of {n} entries came back unchanged "
+                    "(expected the sum over the ranks, written into the tensor)"
+                )
+            if r["error"] > 1e-9:  # integers in float64: every order of addition is exact
+                small = " (fewer entries than ranks: some chunks are empty)" if n < 3 else ""
+                raise CheckFailed(
+                    f"{name}: on rank {rank}, a tensor of {n} entries{small} is off by "
+                    f"{r['error']:.3g} from dist.all_reduce's sum"
+                )
+            if not r["in_place"]:
+                raise CheckFailed(
+                    f"{name}: the sum must be written into the tensor passed (in place), "
+                    "as dist.all_reduce does"
+                )
+            if not torch.equal(r["result"], ranks[0][RING_SIZES.index(n)]["result"]):
+                raise CheckFailed(
+                    f"{name}: ranks 0 and {rank} hold different bits for {n} entries; in a "
+                    "ring each chunk's sum is computed once and copied, so they must agree"
+                )
+    print(
+        f"✔ {name}: equals dist.all_reduce at world {RING_WORLD} for sizes "
+        f"{', '.join(map(str, RING_SIZES))}, identical on every rank"
+    )
+
+
+def error_feedback_step(grad: torch.Tensor, error: torch.Tensor, compressor):
+    r"""One step of error feedback (Seide et al. 2014; Karimireddy et al. 2019):
+    :math:`p = C(g + e)`, :math:`e' = g + e - D(p)`; returns ``(payload, e')``."""
+    corrected = grad + error
+    payload = compressor.compress(corrected)
+    return payload, corrected - compressor.decompress(payload)
+
+
+@exercise("lab07.error_feedback_step")
+def check_error_feedback_step(student_fn) -> None:
+    g = torch.Generator().manual_seed(7)
+    for make in (lambda: TopK(0.1), SignSGD):
+        compressor = make()
+        reference = ErrorFeedback(make())
+        error = torch.zeros(50, dtype=torch.float64)
+        total_sent = torch.zeros_like(error)
+        total_grad = torch.zeros_like(error)
+        for step in range(6):
+            grad = torch.randn(50, generator=g, dtype=torch.float64)
+            payload, error = student_fn(grad.clone(), error.clone(), compressor)
+            sent = compressor.decompress(payload)
+            expected_sent = reference.decompress(reference.compress(grad))
+            what = f"{type(compressor).__name__}, step {step}"
+            check_value(f"what is sent ({what})", sent, expected_sent, rtol=1e-12, atol=1e-12)
+            check_value(f"the new error ({what})", error, reference.error, rtol=1e-12, atol=1e-12)
+            total_sent += sent
+            total_grad += grad
+        check_value(
+            "sum of what was sent + the last error (it must telescope to the sum of gradients)",
+            total_sent + error,
+            total_grad,
+            rtol=1e-10,
+            atol=1e-10,
+        )
+    print("✔ error_feedback_step: equals lsdl_lab.compress.ErrorFeedback, and telescopes")
+
+
+@exercise("lab07.sign_compressor")
+def check_sign_compressor(compress_fn, decompress_fn) -> None:
+    g = torch.Generator().manual_seed(3)
+    cases = {
+        "8 entries": torch.randn(8, generator=g),
+        "13 entries (not a multiple of 8)": torch.randn(13, generator=g),
+        "1000 entries": torch.randn(1000, generator=g),
+        "with zeros": torch.tensor([0.0, -1.0, 2.0, 0.0, -3.0]),
+        "all zeros": torch.zeros(9),
+    }
+    reference = SignSGD()
+    for label, grad in cases.items():
+        d = grad.numel()
+        bits, scale = compress_fn(grad.clone())
+        if not isinstance(bits, torch.Tensor) or bits.dtype != torch.uint8:
+            raise CheckFailed(
+                f"sign_compress({label}): the signs must be a uint8 tensor of packed bits, "
+                f"got {type(bits).__name__} {getattr(bits, 'dtype', '')}"
+            )
+        if bits.numel() != math.ceil(d / 8):
+            raise CheckFailed(
+                f"sign_compress({label}): {bits.numel()} bytes of signs for {d} entries "
+                f"(expected ceil({d} / 8) = {math.ceil(d / 8)}: one bit per entry)"
+            )
+        if torch.as_tensor(scale).numel() != 1:
+            raise CheckFailed(f"sign_compress({label}): the scale must be one number")
+        got = decompress_fn(bits, torch.as_tensor(scale), d)
+        expected = reference.decompress(reference.compress(grad))
+        check_value(f"decompress(compress(g)) for {label}", got, expected)
+    print("✔ sign_compress / sign_decompress: 1 bit per entry, round trip equals SignSGD")
+
+
+__all__ = [
+    "check_error_feedback_step",
+    "check_ring_all_reduce",
+    "check_sign_compressor",
+    "error_feedback_step",
+    "run_student_ring",
+]

@@ -1,0 +1,172 @@
+"""The checkers of Lab 7 accept right answers and reject the usual wrong ones with a hint:
+the ring all-reduce on a real world of 3 (the student's source sent to the ranks), the
+error-feedback step and the 1-bit compressor against lsdl_lab.compress."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lsdl_lab import check
+from lsdl_lab.check import CheckFailed
+from lsdl_lab.compress import ErrorFeedback, SignSGD, TopK
+from lsdl_lab.exercises import lab07
+
+
+def ring_all_reduce(tensor, group=None):
+    """A correct ring, self-contained as the checker requires."""
+    r, p = dist.get_rank(group), dist.get_world_size(group)
+    chunks = list(torch.tensor_split(tensor.view(-1), p))
+
+    def exchange(send, recv):
+        ops = []
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, (r + 1) % p, group))
+        if recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, (r - 1) % p, group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+    for s in range(p - 1):
+        recv = chunks[(r - s - 2) % p]
+        incoming = torch.empty_like(recv)
+        exchange(chunks[(r - s - 1) % p], incoming)
+        recv += incoming
+    for s in range(p - 1):
+        exchange(chunks[(r - s) % p], chunks[(r - s - 1) % p])
+    return tensor
+
+
+def ring_without_all_gather(tensor, group=None):
+    """Only the reduce-scatter: each rank holds one summed chunk."""
+    r, p = dist.get_rank(group), dist.get_world_size(group)
+    chunks = list(torch.tensor_split(tensor.view(-1), p))
+    for s in range(p - 1):
+        recv = chunks[(r - s - 2) % p]
+        incoming = torch.empty_like(recv)
+        ops = []
+        if chunks[(r - s - 1) % p].numel():
+            ops.append(dist.P2POp(dist.isend, chunks[(r - s - 1) % p], (r + 1) % p, group))
+        if recv.numel():
+            ops.append(dist.P2POp(dist.irecv, incoming, (r - 1) % p, group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        recv += incoming
+    return tensor
+
+
+def blocking_ring(tensor, group=None):
+    r, p = dist.get_rank(group), dist.get_world_size(group)
+    incoming = torch.empty_like(tensor)
+    dist.send(tensor.clone(), (r + 1) % p)
+    dist.recv(incoming, (r - 1) % p)
+    return tensor.add_(incoming)
+
+
+def helper_outside(tensor, group=None):
+    return a_helper_the_ranks_do_not_have(tensor)  # noqa: F821
+
+
+def stub(tensor, group=None):
+    raise NotImplementedError("Exercise: write your solution here")
+
+
+def test_ring_checker_accepts_a_correct_ring(capsys):
+    check.checker("lab07.ring_all_reduce")(ring_all_reduce)
+    assert "equals dist.all_reduce at world 3" in capsys.readouterr().out
+
+
+def test_ring_checker_rejects_a_ring_without_its_all_gather():
+    with pytest.raises(CheckFailed, match="off by"):
+        check.checker("lab07.ring_all_reduce")(ring_without_all_gather)
+
+
+def test_ring_checker_names_a_deadlock(monkeypatch):
+    monkeypatch.setattr(lab07, "RING_TIMEOUT", 2.0)
+    with pytest.raises(CheckFailed, match="blocking send before a recv deadlocks"):
+        check.checker("lab07.ring_all_reduce")(blocking_ring)
+
+
+def test_ring_checker_explains_missing_helpers_and_the_stub():
+    with pytest.raises(CheckFailed, match="put every helper inside the function"):
+        check.checker("lab07.ring_all_reduce")(helper_outside)
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        check.checker("lab07.ring_all_reduce")(stub)
+
+
+def test_error_feedback_reference_is_the_library():
+    g = torch.randn(20, dtype=torch.float64)
+    e = torch.randn(20, dtype=torch.float64)
+    payload, new_e = lab07.error_feedback_step(g, e, TopK(0.2))
+    ef = ErrorFeedback(TopK(0.2))
+    ef.error = e.clone()
+    expected = ef.decompress(ef.compress(g))
+    assert torch.equal(TopK(0.2).decompress(payload), expected)
+    assert torch.equal(new_e, ef.error)
+
+
+def test_error_feedback_checker_accepts_and_rejects(capsys):
+    check.checker("lab07.error_feedback_step")(lab07.error_feedback_step)
+    assert "telescopes" in capsys.readouterr().out
+
+    def forgets_the_error(grad, error, compressor):  # plain compression
+        payload = compressor.compress(grad)
+        return payload, grad - compressor.decompress(payload)
+
+    with pytest.raises(CheckFailed, match="what is sent"):
+        check.checker("lab07.error_feedback_step")(forgets_the_error)
+
+    def keeps_the_old_error(grad, error, compressor):
+        payload = compressor.compress(grad + error)
+        return payload, error + grad - compressor.decompress(payload) + error
+
+    with pytest.raises(CheckFailed, match="the new error"):
+        check.checker("lab07.error_feedback_step")(keeps_the_old_error)
+
+
+def sign_compress(grad):
+    negative = (grad < 0).to(torch.uint8)
+    padded = torch.nn.functional.pad(negative, (0, (-grad.numel()) % 8)).view(-1, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (padded * weights).sum(1).to(torch.uint8), grad.abs().mean()
+
+
+def sign_decompress(bits, scale, d):
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    negative = ((bits[:, None] & weights) > 0).view(-1)[:d]
+    return scale * (1 - 2 * negative.to(scale.dtype))
+
+
+def test_sign_checker_accepts_a_packed_sign(capsys):
+    check.checker("lab07.sign_compressor")(sign_compress, sign_decompress)
+    assert "1 bit per entry" in capsys.readouterr().out
+    g = torch.randn(13)
+    bits, scale = sign_compress(g)
+    ref = SignSGD()
+    assert torch.equal(sign_decompress(bits, scale, 13), ref.decompress(ref.compress(g)))
+
+
+def test_sign_checker_rejects_a_byte_per_sign_and_a_wrong_zero():
+    def byte_per_sign(grad):
+        return (grad < 0).to(torch.uint8), grad.abs().mean()
+
+    def decode_bytes(bits, scale, d):
+        return scale * (1 - 2 * bits.to(scale.dtype))
+
+    with pytest.raises(CheckFailed, match=r"one bit per entry"):
+        check.checker("lab07.sign_compressor")(byte_per_sign, decode_bytes)
+
+    def zero_as_zero(bits, scale, d):  # torch.sign(0) = 0: not what one bit can say
+        out = sign_decompress(bits, scale, d)
+        return out if d != 5 else out * torch.tensor([0.0, 1, 1, 0, 1])
+
+    with pytest.raises(CheckFailed, match="with zeros"):
+        check.checker("lab07.sign_compressor")(sign_compress, zero_as_zero)
+
+
+def test_ring_sizes_include_sizes_below_the_world():
+    assert min(lab07.RING_SIZES) < lab07.RING_WORLD
+    assert math.ceil(13 / 8) == 2
