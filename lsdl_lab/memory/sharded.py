@@ -220,11 +220,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for p in unit.params:
             p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
 
+    def _all_gathered(self, unit: _Unit) -> torch.Tensor:
+        """The unit's whole flat parameters, assembled from every rank's shard."""
+        flat = unit.shard.new_empty(unit.padded)
+        dist.all_gather_single(flat, unit.shard.detach(), group=self.group)
+        return flat
+
     def _gather(self, unit: _Unit) -> None:
         if unit.flat is None:
-            flat = unit.shard.new_empty(unit.padded)
-            dist.all_gather_single(flat, unit.shard.detach(), group=self.group)
-            unit.hold(flat)
+            unit.hold(self._all_gathered(unit))
 
     def _grad_ready(self, unit: _Unit) -> None:
         unit.waiting -= 1
@@ -304,10 +308,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         out = []
         with torch.no_grad():
             for unit in self.units:
-                flat = unit.flat
-                if flat is None:
-                    flat = unit.shard.new_empty(unit.padded)
-                    dist.all_gather_single(flat, unit.shard.detach(), group=self.group)
+                flat = self._all_gathered(unit) if unit.flat is None else unit.flat
                 out.extend(view.clone() for view in unit.views(flat[: unit.numel]))
         return out
 
