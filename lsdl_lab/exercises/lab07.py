@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..check import CheckFailed, check_value, exercise
-from ..compress import ErrorFeedback, SignSGD, TopK
+from ..compress import ErrorFeedback, SignSGD, TopK, unpack_bits
 from ..dist.world import WorkerError, spawn
 
 RING_WORLD = 3  # a world of 2 hides chunk-index mistakes that 3 ranks expose
@@ -44,6 +44,32 @@ def ring_source(fn) -> str:
             f"cannot read the source of {getattr(fn, '__name__', fn)!r} ({exc}); define it "
             "with def in a notebook cell or a file"
         ) from None
+
+
+def ring_all_reduce(tensor, group=None):
+    """The reference ring, self-contained as the checker requires (it uses only ``torch``
+    and ``dist``): a reduce-scatter, then an all-gather, each in p - 1 exchanges of one
+    chunk with the neighbours, the send and the receive posted together."""
+    r, p = dist.get_rank(group), dist.get_world_size(group)
+    chunks = list(torch.tensor_split(tensor.view(-1), p))
+
+    def exchange(send, recv):
+        ops = []
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, (r + 1) % p, group))
+        if recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, (r - 1) % p, group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+    for s in range(p - 1):  # reduce-scatter: chunk r ends with the sum of all ranks' chunk r
+        recv = chunks[(r - s - 2) % p]
+        incoming = torch.empty_like(recv)
+        exchange(chunks[(r - s - 1) % p], incoming)
+        recv += incoming
+    for s in range(p - 1):  # all-gather: pass on the chunk received last
+        exchange(chunks[(r - s) % p], chunks[(r - s - 1) % p])
+    return tensor
 
 
 def run_student_ring(rank, world_size, source: str, name: str, sizes) -> list[dict]:
@@ -169,8 +195,30 @@ def check_error_feedback_step(student_fn) -> None:
     print("✔ error_feedback_step: equals lsdl_lab.compress.ErrorFeedback, and telescopes")
 
 
+class PackedSign:
+    """The reference 1-bit compressor: ``compress(g)`` returns ``(bits, scale)``, the signs
+    packed 8 to a byte (uint8) and the mean magnitude; ``decompress(bits, scale, d)``
+    returns ``scale * sign`` with a zero sent as ``+`` (:class:`~lsdl_lab.compress.SignSGD`,
+    whose packing it uses)."""
+
+    def compress(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        payload = SignSGD().compress(grad)
+        return payload.bits, payload.scale
+
+    def decompress(self, bits: torch.Tensor, scale: torch.Tensor, d: int) -> torch.Tensor:
+        negative = unpack_bits(bits, 1, d)
+        return scale * (1 - 2 * negative.to(scale.dtype))
+
+
+sign_compressor = PackedSign()  # the reference the checker of "lab07.sign_compressor" takes
+
+
 @exercise("lab07.sign_compressor")
-def check_sign_compressor(compress_fn, decompress_fn) -> None:
+def check_sign_compressor(compressor) -> None:
+    """``compressor``: an object (or a class, instantiated without arguments) with
+    ``compress(g) -> (bits, scale)`` and ``decompress(bits, scale, d) -> tensor``."""
+    if isinstance(compressor, type):
+        compressor = compressor()
     g = torch.Generator().manual_seed(3)
     cases = {
         "8 entries": torch.randn(8, generator=g),
@@ -182,26 +230,30 @@ def check_sign_compressor(compress_fn, decompress_fn) -> None:
     reference = SignSGD()
     for label, grad in cases.items():
         d = grad.numel()
-        bits, scale = compress_fn(grad.clone())
+        bits, scale = compressor.compress(grad.clone())
         if not isinstance(bits, torch.Tensor) or bits.dtype != torch.uint8:
             raise CheckFailed(
-                f"sign_compress({label}): the signs must be a uint8 tensor of packed bits, "
+                f"compress({label}): the signs must be a uint8 tensor of packed bits, "
                 f"got {type(bits).__name__} {getattr(bits, 'dtype', '')}"
             )
         if bits.numel() != math.ceil(d / 8):
             raise CheckFailed(
-                f"sign_compress({label}): {bits.numel()} bytes of signs for {d} entries "
+                f"compress({label}): {bits.numel()} bytes of signs for {d} entries "
                 f"(expected ceil({d} / 8) = {math.ceil(d / 8)}: one bit per entry)"
             )
-        if torch.as_tensor(scale).numel() != 1:
-            raise CheckFailed(f"sign_compress({label}): the scale must be one number")
-        got = decompress_fn(bits, torch.as_tensor(scale), d)
+        scale = torch.as_tensor(scale)
+        if scale.numel() != 1:
+            raise CheckFailed(f"compress({label}): the scale must be one number")
+        got = compressor.decompress(bits, scale, d)
         expected = reference.decompress(reference.compress(grad))
         check_value(f"decompress(compress(g)) for {label}", got, expected)
-    print("✔ sign_compress / sign_decompress: 1 bit per entry, round trip equals SignSGD")
+    print("✔ compress / decompress: 1 bit per entry, the round trip equals SignSGD's")
 
 
 __all__ = [
+    "PackedSign",
+    "ring_all_reduce",
+    "sign_compressor",
     "check_error_feedback_step",
     "check_ring_all_reduce",
     "check_sign_compressor",

@@ -4,8 +4,6 @@ error-feedback step and the 1-bit compressor against lsdl_lab.compress."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,30 +12,6 @@ from lsdl_lab import check
 from lsdl_lab.check import CheckFailed
 from lsdl_lab.compress import ErrorFeedback, SignSGD, TopK
 from lsdl_lab.exercises import lab07
-
-
-def ring_all_reduce(tensor, group=None):
-    """A correct ring, self-contained as the checker requires."""
-    r, p = dist.get_rank(group), dist.get_world_size(group)
-    chunks = list(torch.tensor_split(tensor.view(-1), p))
-
-    def exchange(send, recv):
-        ops = []
-        if send.numel():
-            ops.append(dist.P2POp(dist.isend, send, (r + 1) % p, group))
-        if recv.numel():
-            ops.append(dist.P2POp(dist.irecv, recv, (r - 1) % p, group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-
-    for s in range(p - 1):
-        recv = chunks[(r - s - 2) % p]
-        incoming = torch.empty_like(recv)
-        exchange(chunks[(r - s - 1) % p], incoming)
-        recv += incoming
-    for s in range(p - 1):
-        exchange(chunks[(r - s) % p], chunks[(r - s - 1) % p])
-    return tensor
 
 
 def ring_without_all_gather(tensor, group=None):
@@ -75,7 +49,7 @@ def stub(tensor, group=None):
 
 
 def test_ring_checker_accepts_a_correct_ring(capsys):
-    check.checker("lab07.ring_all_reduce")(ring_all_reduce)
+    check.checker("lab07.ring_all_reduce")(lab07.ring_all_reduce)
     assert "equals dist.all_reduce at world 3" in capsys.readouterr().out
 
 
@@ -127,46 +101,52 @@ def test_error_feedback_checker_accepts_and_rejects(capsys):
         check.checker("lab07.error_feedback_step")(keeps_the_old_error)
 
 
-def sign_compress(grad):
-    negative = (grad < 0).to(torch.uint8)
-    padded = torch.nn.functional.pad(negative, (0, (-grad.numel()) % 8)).view(-1, 8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    return (padded * weights).sum(1).to(torch.uint8), grad.abs().mean()
+class MySign:
+    """A student's packing (its own bit order) to show that any packing passes."""
 
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
-def sign_decompress(bits, scale, d):
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    negative = ((bits[:, None] & weights) > 0).view(-1)[:d]
-    return scale * (1 - 2 * negative.to(scale.dtype))
+    def compress(self, grad):
+        negative = (grad < 0).to(torch.uint8)
+        padded = torch.nn.functional.pad(negative, (0, (-grad.numel()) % 8)).view(-1, 8)
+        return (padded * self.weights).sum(1).to(torch.uint8), grad.abs().mean()
+
+    def decompress(self, bits, scale, d):
+        negative = ((bits[:, None] & self.weights) > 0).view(-1)[:d]
+        return scale * (1 - 2 * negative.to(scale.dtype))
 
 
 def test_sign_checker_accepts_a_packed_sign(capsys):
-    check.checker("lab07.sign_compressor")(sign_compress, sign_decompress)
+    check.checker("lab07.sign_compressor")(MySign)
     assert "1 bit per entry" in capsys.readouterr().out
     g = torch.randn(13)
-    bits, scale = sign_compress(g)
     ref = SignSGD()
-    assert torch.equal(sign_decompress(bits, scale, 13), ref.decompress(ref.compress(g)))
+    assert torch.equal(
+        lab07.sign_compressor.decompress(*lab07.sign_compressor.compress(g), 13),
+        ref.decompress(ref.compress(g)),
+    )
+
+
+class BytePerSign(MySign):
+    def compress(self, grad):
+        return (grad < 0).to(torch.uint8), grad.abs().mean()
+
+    def decompress(self, bits, scale, d):
+        return scale * (1 - 2 * bits.to(scale.dtype))
+
+
+class ZeroAsZero(MySign):
+    def decompress(self, bits, scale, d):  # torch.sign(0) = 0: one bit cannot say that
+        out = super().decompress(bits, scale, d)
+        return out if d != 5 else out * torch.tensor([0.0, 1, 1, 0, 1])
 
 
 def test_sign_checker_rejects_a_byte_per_sign_and_a_wrong_zero():
-    def byte_per_sign(grad):
-        return (grad < 0).to(torch.uint8), grad.abs().mean()
-
-    def decode_bytes(bits, scale, d):
-        return scale * (1 - 2 * bits.to(scale.dtype))
-
     with pytest.raises(CheckFailed, match=r"one bit per entry"):
-        check.checker("lab07.sign_compressor")(byte_per_sign, decode_bytes)
-
-    def zero_as_zero(bits, scale, d):  # torch.sign(0) = 0: not what one bit can say
-        out = sign_decompress(bits, scale, d)
-        return out if d != 5 else out * torch.tensor([0.0, 1, 1, 0, 1])
-
+        check.checker("lab07.sign_compressor")(BytePerSign)
     with pytest.raises(CheckFailed, match="with zeros"):
-        check.checker("lab07.sign_compressor")(sign_compress, zero_as_zero)
+        check.checker("lab07.sign_compressor")(ZeroAsZero())
 
 
 def test_ring_sizes_include_sizes_below_the_world():
     assert min(lab07.RING_SIZES) < lab07.RING_WORLD
-    assert math.ceil(13 / 8) == 2
