@@ -1,0 +1,232 @@
+"""Tests of lsdl_lab.optim.adafactor: bit for bit torch.optim.Adafactor where the settings
+coincide; state of n + m numbers for an n x m matrix (against Adam's 2nm); the factored
+second moment keeps the row and column means of G^2 (and is G^2 itself when G^2 has rank
+one); the decay schedule, update clipping, relative step size, parameter scale and first
+moment, each against its equation."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from optim_helpers import (
+    NO_SHRINK,
+    assert_same,
+    gradient_sequences,
+    ours,
+    power_of_two_scaling_test,
+    run,
+    single,
+    steps,
+    weight_decay,
+    zero_learning_rate_test,
+)
+from state_size import state_bytes, state_shapes, stepped
+
+from lsdl_lab import optim
+
+# Where our settings coincide with torch.optim.Adafactor's (beta1=None, relative_step,
+# scale_parameter, d >= 1); eps1 = 1e-30 would square to 0 in float32 (module docstring)
+HYPER = st.fixed_dictionaries(
+    dict(lr=st.floats(1e-3, 3e-2), beta2_decay=st.floats(-1.0, -0.3),
+         eps1=st.sampled_from([None, 1e-10, 1e-6]), eps2=st.sampled_from([1e-3, 1e-2, 0.1]),
+         d=st.floats(1.0, 3.0), weight_decay=weight_decay)
+)  # fmt: skip
+FULL = dict(lr=1e-2, beta2_decay=-0.6, eps1=1e-8, eps2=1e-2, d=1.5, weight_decay=0.01)
+
+
+def torch_kw(kw: dict) -> dict:
+    """Our hyperparameters in torch.optim.Adafactor's names: eps=(eps1, eps2)."""
+    kw = dict(kw)
+    if "eps1" in kw or "eps2" in kw:
+        kw["eps"] = (kw.pop("eps1", None), kw.pop("eps2", 1e-3))
+    return kw
+
+
+def torchs(split=None, **kw):
+    def make(model):
+        params = list(model.parameters())
+        if split is not None:
+            params = [dict(params=params[:2], **torch_kw(split[0])),
+                      dict(params=params[2:], **torch_kw(split[1]))]  # fmt: skip
+        return torch.optim.Adafactor(params, **torch_kw(kw), foreach=True)
+
+    return make
+
+
+def test_same_defaults_as_torch():
+    ours_ = inspect.signature(optim.Adafactor).parameters
+    theirs = inspect.signature(torch.optim.Adafactor).parameters
+    for arg in ("lr", "beta2_decay", "d", "weight_decay"):
+        assert ours_[arg].default == theirs[arg].default, arg
+    assert (ours_["eps1"].default, ours_["eps2"].default) == theirs["eps"].default
+
+
+@settings(max_examples=6, deadline=None, phases=NO_SHRINK)
+@given(kw=HYPER, second=st.none() | HYPER, dtype=st.sampled_from([torch.float32, torch.float64]),
+       foreach=st.booleans())  # fmt: skip
+def test_matches_torch_optim(kw, second, dtype, foreach):
+    # with a second group: the first layer with kw, the others with `second` and the
+    # constructor's default lr; foreach=False must equal torch's foreach path too
+    split = None if second is None else (kw, {k: v for k, v in second.items() if k != "lr"})
+    kw = kw if split is None else {}
+    a = run(ours("Adafactor", split, **kw, foreach=foreach), dtype=dtype)
+    assert_same(a, run(torchs(split, **kw), dtype=dtype))
+
+
+def test_matches_torch_optim_on_a_resnet():
+    # conv weights (factored over their last two dimensions, as torch does), BatchNorm and
+    # linear parameters in one multi-tensor call
+    a = run(ours("Adafactor", **FULL), "resnet", steps=25)
+    assert_same(a, run(torchs(**FULL), "resnet", steps=25))
+
+
+test_zero_learning_rate_leaves_parameters_unchanged = zero_learning_rate_test(
+    "Adafactor",
+    HYPER.flatmap(lambda kw: st.fixed_dictionaries(dict(
+        beta1=st.sampled_from([None, 0.9]), relative_step=st.booleans(),
+        scale_parameter=st.booleans())).map(lambda more: kw | more)),
+)  # fmt: skip
+# Adafactor's update does not depend on the gradient's scale: with eps1 = 0, scaling every
+# gradient by 2^k changes nothing, bit for bit
+test_power_of_two_gradient_scaling_is_exact = power_of_two_scaling_test(
+    "Adafactor", dict(lr=1e-2, eps1=0.0, beta1=0.9), lambda c: {}
+)
+
+
+# -- memory: n + m numbers for an n x m matrix -------------------------------------------------
+
+
+def test_state_of_an_n_by_m_matrix_is_n_plus_m_numbers():
+    w = torch.zeros(1000, 500, requires_grad=True)
+    b = torch.zeros(500, requires_grad=True)
+    conv = torch.zeros(4, 30, 20, requires_grad=True)  # a batch of 4 matrices 30 x 20
+    opt = stepped(optim.Adafactor([w, b, conv]), [w, b, conv])
+    assert state_shapes(opt, w) == {"row_var": (1000, 1), "col_var": (1, 500)}
+    assert state_bytes(opt, w) == (1000 + 500) * 4  # 6 kB ...
+    adam = stepped(optim.Adam([w]), [w])
+    assert state_bytes(adam, w) == 2 * 1000 * 500 * 4  # ... against Adam's 4 MB
+    assert state_shapes(opt, conv) == {
+        "row_var": (4, 30, 1), "col_var": (4, 1, 20)}  # fmt: skip
+    assert state_shapes(opt, b) == {"variance": (500,)}
+    # the first moment costs the full nm
+    opt = stepped(optim.Adafactor([w], beta1=0.9), [w])
+    assert state_bytes(opt, w) == (1000 * 500 + 1000 + 500) * 4
+
+
+# -- the factored second moment ------------------------------------------------------------
+
+
+def absolute(**kw):
+    """A step of -G / sqrt(V_hat) exactly: lr 1, no parameter scale, no clipping."""
+    return dict(lr=1.0, relative_step=False, scale_parameter=False, d=math.inf, eps1=0.0) | kw
+
+
+def first_step(g: torch.Tensor, **kw) -> torch.Tensor:
+    w = torch.zeros_like(g, requires_grad=True)
+    w.grad = g.clone()
+    optim.Adafactor([w], **absolute(**kw)).step()
+    return w.detach()
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(2, 7), m=st.integers(2, 7), seed=st.integers(0, 2**16))
+def test_factored_second_moment_keeps_row_and_column_means(n, m, seed):
+    # At t = 1 (beta2_1 = 0), V_hat = R C / mean(R) with R, C the row and column means of
+    # G^2: its own row and column means are those of G^2 (the paper's property of the factoring)
+    g = torch.randn(n, m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    v_hat = (g / first_step(g)) ** 2
+    torch.testing.assert_close(v_hat.mean(1), (g * g).mean(1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(v_hat.mean(0), (g * g).mean(0), rtol=1e-12, atol=0)
+
+
+def test_factored_second_moment_is_exact_for_a_rank_one_square():
+    # G^2 = a^2 (b^2)^T has rank one: the factored V_hat is G^2 itself, the step -sign(G)
+    gen = torch.Generator().manual_seed(0)
+    a, b = (
+        torch.randn(6, generator=gen, dtype=torch.float64),
+        torch.randn(5, generator=gen, dtype=torch.float64),
+    )
+    g = torch.outer(a, b)
+    torch.testing.assert_close(first_step(g), -torch.sign(g), rtol=1e-14, atol=0)
+    v = torch.randn(5, 6, 7, generator=gen, dtype=torch.float64).exp()  # order 3: each slice
+    g = v[:, :, :1] * v[:, :1, :]  # rank one
+    torch.testing.assert_close(first_step(g), -torch.sign(g), rtol=1e-14, atol=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(gradients=gradient_sequences, c=st.floats(-1.0, -0.1))
+def test_second_moment_of_a_vector_follows_the_decay_schedule(gradients, c):
+    p, opt = single("Adafactor", beta2_decay=c)
+    v = torch.zeros(4, dtype=torch.float64)
+    for t, g, _, _ in steps(opt, p, gradients, torch.float64):
+        beta2 = 1 - t**c  # 0 at t = 1: no bias correction needed
+        v = beta2 * v + (1 - beta2) * g * g
+        torch.testing.assert_close(opt.state[p]["variance"], v, rtol=1e-13, atol=0)
+
+
+# -- step size, clipping, first moment -----------------------------------------------------
+
+
+@settings(max_examples=20, deadline=None)
+@given(gradients=gradient_sequences, d=st.floats(0.1, 2.0))
+def test_update_clipping_bounds_the_rms_of_the_step(gradients, d):
+    p, opt = single("Adafactor", **absolute(d=d))
+    for t, _, _, dw in steps(opt, p, gradients, torch.float64):
+        rms = dw.square().mean().sqrt().item()
+        assert rms <= d * (1 + 1e-12)
+        if t == 1:  # U_1 = sign(G): RMS 1, clipped to d when d < 1
+            assert rms == pytest.approx(min(d, 1.0), rel=1e-12)
+
+
+def test_update_clipping_stops_the_step_of_a_sudden_large_gradient():
+    # small gradients, then a large one: V_hat lags behind and U_t is far above RMS 1
+    gradients = [[1e-3] * 4] * 10 + [[1.0] * 4]
+    for d, expected in ((1.0, 1.0), (math.inf, None)):
+        p, opt = single("Adafactor", **absolute(d=d))
+        *_, (_, _, _, dw) = steps(opt, p, gradients, torch.float64)
+        rms = dw.square().mean().sqrt().item()
+        assert rms == pytest.approx(expected) if expected else rms > 2.0
+
+
+@pytest.mark.parametrize("lr", [1.0, 0.3])
+def test_relative_step_size(lr):
+    # a constant gradient: V_hat = G^2, U = sign(G), so the step is rho_t = min(lr, 1/sqrt t)
+    # times max(eps2, RMS(w)); the helper starts each step from w = 0: RMS(w) = 0
+    p, opt = single("Adafactor", lr=lr, eps2=0.25)
+    for t, g, _, dw in steps(opt, p, [[2.0, -1.0, 0.5, 3.0]] * 20, torch.float64):
+        expected = -0.25 * min(lr, 1 / math.sqrt(t)) * torch.sign(g)
+        torch.testing.assert_close(dw, expected, rtol=1e-14, atol=0)
+
+
+def test_parameter_scale_and_decoupled_weight_decay():
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(3, 50, generator=gen, dtype=torch.float64)
+    g = torch.outer(torch.rand(3, generator=gen, dtype=torch.float64) + 0.1,
+                    torch.randn(50, generator=gen, dtype=torch.float64))  # fmt: skip
+    w = w0.clone().requires_grad_()
+    w.grad = g
+    optim.Adafactor([w], lr=0.01, weight_decay=0.5).step()
+    rms = w0.square().mean().sqrt()  # of the weights before the decay, as torch.optim
+    expected = (1 - 0.01 * 0.5) * w0 - rms * 0.01 * torch.sign(g)
+    torch.testing.assert_close(w.detach(), expected, rtol=1e-13, atol=1e-16)
+
+
+@pytest.mark.parametrize("beta1", [0.0, 0.5, 0.9])
+def test_first_moment_averages_the_clipped_update(beta1):
+    # U_t = sign(G) for a constant gradient; clipped to d = 0.5; M_t = (1 - beta1^t) U_t / 2
+    p, opt = single("Adafactor", **absolute(lr=0.1, d=0.5, beta1=beta1))
+    for t, g, _, dw in steps(opt, p, [[2.0, -1.0, 0.5, 3.0]] * 10, torch.float64):
+        expected = -0.1 * (1 - beta1**t) * 0.5 * torch.sign(g)
+        torch.testing.assert_close(dw, expected, rtol=1e-14, atol=0)
+
+
+def test_edges_of_the_ranges_are_accepted():
+    w = [torch.zeros(2, 3, requires_grad=True)]
+    optim.Adafactor(w, lr=0.0, beta2_decay=-1.0, eps1=0.0, eps2=0.0, d=1e-3, weight_decay=0.0,
+                    beta1=0.0)  # fmt: skip
+    optim.Adafactor(w, beta2_decay=-1e-9, d=math.inf, beta1=0.999)
