@@ -57,6 +57,7 @@ from .cost import (
     tree_all_reduce_time,
 )
 from .local_sgd import PeriodicAverager, average_parameters, overlap_times
+from .param_server import asynchronous_sgd, synchronous_sgd
 
 __all__ = [
     "COMPRESSORS",
@@ -64,7 +65,10 @@ __all__ = [
     "compression_run",
     "digits_mlp",
     "local_sgd_run",
+    "least_squares_gradient",
+    "least_squares_loss",
     "model_parallel_run",
+    "staleness_run",
 ]
 
 
@@ -90,6 +94,53 @@ def collective_times(rank, world_size, nbytes: Sequence[int], repeats: int = 5) 
         "seconds": times,
         "fit": {k: (f.alpha, f.beta) for k, f in fits.items()},
     }
+
+
+def _least_squares(dim: int = 20, n: int = 256):
+    """A fixed least-squares problem with condition number 100: X (n x dim), y."""
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
+    scales = torch.logspace(0, -1, dim, dtype=torch.float64)  # singular values 1 .. 0.1
+    X = torch.randn(n, dim, generator=g, dtype=torch.float64) @ (q * scales) @ q.T
+    return X, X @ torch.randn(dim, generator=g, dtype=torch.float64)
+
+
+def least_squares_loss(w: torch.Tensor) -> float:
+    """The loss ``0.5 * mean((X w - y)^2)`` of the problem :func:`least_squares_gradient`
+    samples."""
+    X, y = _least_squares()
+    return 0.5 * ((X @ w - y) ** 2).mean().item()
+
+
+def least_squares_gradient(w: torch.Tensor, worker: int, k: int) -> torch.Tensor:
+    """A worker's stochastic gradient of :func:`least_squares_loss` on 32 examples drawn by
+    (worker, k): the gradient function of the parameter-server runs."""
+    X, y = _least_squares()
+    g = torch.Generator().manual_seed(10_000 * worker + k)
+    rows = torch.randint(len(y), (32,), generator=g)
+    return X[rows].T @ (X[rows] @ w - y[rows]) / 32
+
+
+def staleness_run(rank, world_size, staleness: Sequence[int], lr: float, steps: int) -> dict:
+    """Asynchronous parameter-server SGD (:func:`~lsdl_lab.dist.asynchronous_sgd`) on a
+    least-squares problem at each staleness bound s, from zero weights: on the server,
+    ``{s: {"loss", "max_staleness", "mean_staleness"}}``; ``None`` on the workers.
+    Synchronous SGD (:func:`~lsdl_lab.dist.synchronous_sgd`) is ``"sync"``."""
+    w0 = torch.zeros(_least_squares()[0].shape[1], dtype=torch.float64)
+    out = {}
+    w = synchronous_sgd(rank, world_size, w0, least_squares_gradient, lr, steps)
+    if rank == 0:
+        out["sync"] = {"loss": least_squares_loss(w), "max_staleness": 0, "mean_staleness": 0.0}
+    for s in staleness:
+        result = asynchronous_sgd(rank, world_size, w0, least_squares_gradient, lr, steps, s)
+        if rank == 0:
+            w, stale = result
+            out[s] = {
+                "loss": least_squares_loss(w),
+                "max_staleness": max(stale),
+                "mean_staleness": sum(stale) / len(stale),
+            }
+    return out if rank == 0 else None
 
 
 def digits_mlp(hidden: int = 128) -> nn.Module:
