@@ -43,6 +43,15 @@ lives only from the reduce-scatter to the end of ``step``; DeepSpeed's estimator
 keeps it, counts 18 bytes instead of 16. This is the arithmetic of FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=reduce_dtype=torch.bfloat16)``, and the tests find the
 two runs equal bit for bit.
+
+Offload (ZeRO-Offload, Ren et al. 2021): ``offload=True`` keeps the master copy of the
+shard and so the whole optimizer state in CPU memory; each unit's reduce-scattered
+gradient shard is copied to the CPU, the optimizer steps there, and the updated shard is
+copied back to the parameters' device. Accelerator memory then holds no optimizer state,
+at the price of two copies of Psi/N elements per step over the host link and an update
+at CPU speed. (On a CPU-only machine the copies stay in memory and the step is the same
+computation: the tests check the arithmetic against FSDP2's
+``CPUOffloadPolicy(pin_memory=False)``; the time it costs needs an accelerator.)
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._util import check_choice, check_int, flatten
+from .._util import check_bool, check_choice, check_int, flatten
 from .measure import measure
 
 __all__ = ["ZeroOptimizer"]
@@ -70,7 +79,7 @@ class _Unit:
         self.own = slice(rank * size, (rank + 1) * size)
         self.flat: torch.Tensor | None = None  # the whole parameters, while held
         self.shard: nn.Parameter | None = None
-        self.master: nn.Parameter | None = None  # the shard in master_dtype, if any
+        self.master: nn.Parameter | None = None  # the shard's master copy, if any
         self.grad_flat: torch.Tensor | None = None  # stage 1: whole local gradients
         self.waiting = len(params)  # parameters whose gradient this backward has not made
         self.reduced = False  # stage 1: this step's gradients are reduce-scattered
@@ -141,7 +150,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     ``master_dtype`` (``torch.float32`` for a 16-bit model): the optimizer steps a master
     copy of each shard in that dtype (see the module's docstring); ``None`` steps the
-    shards themselves.
+    shards themselves. ``offload=True``: that master copy, and so the optimizer state, is
+    kept in CPU memory (see the module's docstring).
 
     The optimizer's ``param_groups`` and ``state`` are the wrapped optimizer's, over the
     shards (or their master copies), so a :class:`~lsdl_lab.memory.LossScaler` with
@@ -162,6 +172,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage: int = 1,
         process_group=None,
         master_dtype: torch.dtype | None = None,
+        offload: bool = False,
         **optimizer_kwargs,
     ):
         if not isinstance(model, nn.Module):
@@ -175,6 +186,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         self.stage = check_int("stage", stage, 1, 3)
         check_choice("master_dtype", master_dtype, (None, torch.float32, torch.float64))
+        check_bool("offload", offload)
         _check_shardable(model)
         self.model, self.group = model, process_group
         self.world = dist.get_world_size(process_group)
@@ -188,8 +200,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for unit in self.units:
                 self._partition(unit, first)
-                if master_dtype is not None:
-                    unit.master = nn.Parameter(unit.shard.detach().to(master_dtype))
+                if master_dtype is not None or offload:
+                    master = unit.shard.detach().to(
+                        device="cpu" if offload else None, dtype=master_dtype, copy=True
+                    )
+                    unit.master = nn.Parameter(master)
         stepped = [unit.stepped for unit in self.units]
         self.optimizer = optimizer_class(stepped, **optimizer_kwargs)
         super().__init__(stepped, self.optimizer.defaults)
@@ -266,7 +281,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             else:
                 unit.shard.grad.add_(shard)
         if unit.master is not None:
-            unit.master.grad = unit.shard.grad.to(unit.master.dtype)
+            master = unit.master
+            master.grad = unit.shard.grad.to(master.device, master.dtype, copy=True)
 
     def step(self, closure=None):
         """Step the shards with the wrapped optimizer, then (stages 1 and 2) all-gather the
@@ -282,7 +298,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for unit in self.units:
                 unit.reduced = False
                 if unit.master is not None:
-                    unit.shard.copy_(unit.master)  # rounded to the parameters' dtype
+                    unit.shard.copy_(unit.master)  # rounded to the parameters' dtype, device
                     unit.master.grad = None  # the paper's K counts no float32 gradient
                 if self.stage < 3:
                     dist.all_gather_single(unit.flat, unit.shard.detach(), group=self.group)

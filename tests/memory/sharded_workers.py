@@ -11,7 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -97,9 +102,9 @@ def ddp(rank, world_size, opt_class):
     return trajectory, measure(model.module, opt)
 
 
-def zero(rank, world_size, stage, opt_class, nested=False):
+def zero(rank, world_size, stage, opt_class, nested=False, **options):
     model = make_model(nested)
-    opt = ZeroOptimizer(model, opt_class, stage=stage, lr=LR)
+    opt = ZeroOptimizer(model, opt_class, stage=stage, lr=LR, **options)
     batches = [local(b, rank, world_size) for b in global_batches()]
     trajectory = train(model, opt, batches[:-1], opt.full_parameters)
     # The last step: communication counted, bytes measured before the gradients go.
@@ -131,15 +136,19 @@ def zero_redundancy(rank, world_size):
     return train(model, opt, batches, model.parameters)
 
 
-def fsdp2(rank, world_size, mp_policy=None):
+def fsdp2(rank, world_size, mp_policy=None, offload_policy=None):
     """FSDP2, each layer sharded (with ``mp_policy``: on a float32 model whose values are
     the bfloat16 model's, so both runs start from the same master weights)."""
     model = make_model() if mp_policy is None else make_model().bfloat16().float()
     mesh = init_device_mesh("cpu", (world_size,))
+    policies = {
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload_policy or OffloadPolicy(),
+    }
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+            fully_shard(layer, mesh=mesh, **policies)
+    fully_shard(model, mesh=mesh, **policies)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     batches = [local(b, rank, world_size) for b in global_batches()]
     trajectory = train(model, opt, batches, lambda: [p.full_tensor() for p in model.parameters()])
@@ -227,6 +236,12 @@ def run_all(rank, world_size):
         out[f"mixed{stage}"] = mixed(rank, world_size, stage)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     out["fsdp2_mixed"] = fsdp2(rank, world_size, bf16)
+    # Offload: the master copy and Adam's state in CPU memory.
+    out["offload1"] = zero(rank, world_size, 1, optim.Adam, offload=True)
+    out["offload3_torch"] = zero(rank, world_size, 3, torch.optim.Adam, offload=True)
+    out["fsdp2_offload"] = fsdp2(
+        rank, world_size, offload_policy=CPUOffloadPolicy(pin_memory=False)
+    )
     out["skip_shared"] = [skip_decisions(rank, world_size, s, True) for s in (1, 2, 3)]
     # Unshared, only stage 3 can run: at stages 1 and 2 the rank that steps would wait in
     # the all-gather for the rank that skipped.

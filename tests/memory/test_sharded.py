@@ -108,6 +108,18 @@ def test_mixed_precision_is_fsdp2_with_bf16_and_holds_2_2_12_bytes(ranks, stage)
         assert run["held"] == bytes_of
 
 
+def test_offload_is_the_same_arithmetic_as_fsdp2_cpu_offload(ranks):
+    # On a CPU-only machine offload moves nothing; what it can show here is that the
+    # master copy changes no step (against DDP's run and FSDP2's CPUOffloadPolicy) and is
+    # counted as optimizer state: K = 16 + 8 bytes (moments and a float64 master).
+    for out in ranks:
+        assert max_gap(out["offload1"]["trajectory"], out["ddp"]) <= ATOL
+        assert max_gap(out["offload3_torch"]["trajectory"], out["fsdp2_offload"]) <= ATOL
+        run = out["offload1"]
+        bytes_of = zero_bytes(run["padded"], 1, WORLD, k=24, param_bytes=8, grad_bytes=8)
+        assert run["held"] == bytes_of
+
+
 def test_stages_1_and_2_are_seen_by_measure_on_the_model_stage_3_is_not(ranks):
     # Stage 1's shards are views of the parameters and its gradient shards views of the
     # gradients, so measure(model, optimizer) sees all; stage 2's gradient shards and stage
@@ -160,6 +172,7 @@ def tied() -> nn.Module:
             "master_dtype",
             ValueError,
         ),
+        ((nn.Linear(2, 2), optim.Adam), {"offload": 1}, "offload", TypeError),
         ((nn.ReLU(), optim.Adam), {}, "model", ValueError),
         (
             (nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), optim.Adam),
