@@ -1,0 +1,323 @@
+"""The measurements of Chapter 8 and Lab 8, as functions: one place that runs each
+experiment, so the chapter, the lab and the tests measure the same way.
+
+* :func:`zero_per_rank` -- ZeRO stages 1-3 (:class:`~lsdl_lab.memory.ZeroOptimizer`) on
+  the book's GPT in a world of processes, mixed precision as in Rajbhandari et al. (2020):
+  bfloat16 weights and gradients, float32 master weights and Adam moments. Each rank
+  reports the bytes it holds, its loss per step and which slice of each unit it owns.
+* :func:`optimizer_state` and :func:`train_curves` -- the state an optimizer holds after
+  a step, and the training loss of a model under several optimizers.
+* :func:`gradient_underflow` and :func:`precision_curves` -- what float16 gradients lose
+  without loss scaling (Micikevicius et al. 2018), and training under autocast.
+* :func:`gpt_checkpoint_sweep` -- activation bytes and time of a GPT's blocks against the
+  checkpoint spacing (Chen et al. 2016).
+* :func:`measure_gpt` -- bytes of the model states and activations of one training step
+  of a GPT, for the calculator (:func:`~lsdl_lab.memory.gpt_memory`) to be held against.
+
+The worker of :func:`zero_per_rank` is a top-level function of this module, so that
+:func:`lsdl_lab.dist.spawn` can start it in fresh processes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._util import check_choice, check_int, check_positive
+from ..models import GPT
+from .checkpoint import sweep
+from .measure import SavedTensorBytes, measure
+from .precision import LossScaler, amp_step
+from .sharded import ZeroOptimizer
+
+__all__ = [
+    "PRECISION_MODES",
+    "gpt_checkpoint_sweep",
+    "gradient_underflow",
+    "segment_peak",
+    "tanh_chain",
+    "lm_loss",
+    "measure_gpt",
+    "optimizer_state",
+    "precision_curves",
+    "train_curves",
+    "untied_gpt",
+    "zero_per_rank",
+    "zero_worker",
+]
+
+PRECISION_MODES = ("fp32", "bf16", "fp16", "fp16 + scaler")
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, in float32 whatever the logits' dtype (as under autocast)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+def untied_gpt(vocab: int, block: int, layers: int, heads: int, dim: int, seed: int = 0) -> GPT:
+    """The book's GPT with its output layer given its own copy of the token embedding.
+    ZeRO's units are modules, and a weight shared by two modules would be gathered and
+    reduced twice (:class:`~lsdl_lab.memory.ZeroOptimizer` refuses it), so the ZeRO runs
+    use this GPT: ``vocab x dim`` more parameters than the tied one, the same function at
+    initialization."""
+    torch.manual_seed(seed)
+    gpt = GPT(vocab, block, layers, heads, dim)
+    gpt.head.weight = nn.Parameter(gpt.tok.weight.detach().clone())
+    return gpt
+
+
+def zero_worker(rank: int, world_size: int, gpt_args: tuple, batches: list, stages: Sequence[int]):
+    """One rank of :func:`zero_per_rank`: for each stage, a fresh bfloat16 GPT
+    (:func:`untied_gpt` with ``gpt_args``) under ``ZeroOptimizer(stage, Adam, float32
+    master)``, one step per batch on the rank's half of each ``(x, y)`` batch."""
+    out = {}
+    for stage in stages:
+        model = untied_gpt(*gpt_args).bfloat16()
+        opt = ZeroOptimizer(model, torch.optim.Adam, stage=stage, master_dtype=torch.float32)
+        losses = []
+        for x, y in batches:
+            rows = len(x) // world_size
+            part = slice(rank * rows, (rank + 1) * rows)
+            opt.zero_grad()
+            loss = lm_loss(model(x[part]), y[part])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        names = {id(m): n for n, m in model.named_modules()}
+        out[stage] = {
+            "held": opt.held_bytes(),
+            "numel": sum(u.numel for u in opt.units),
+            "padded": sum(u.padded for u in opt.units),
+            "units": [
+                {
+                    "module": names[id(u.module)] or "(model)",
+                    "sizes": [p.numel() for p in u.params],
+                    "numel": u.numel,
+                    "padded": u.padded,
+                    "own": (u.own.start, u.own.stop),
+                }
+                for u in opt.units
+            ],
+            "losses": losses,
+        }
+    return out
+
+
+def zero_per_rank(
+    gpt_args: tuple, batches: list, world_size: int = 2, stages: Sequence[int] = (1, 2, 3)
+) -> list[dict]:
+    """Run :func:`zero_worker` in one world of ``world_size`` processes (gloo on CPU);
+    a list by rank of ``{stage: {"held", "numel", "padded", "units", "losses"}}``."""
+    from ..dist import spawn  # the world machinery only when a world is started
+
+    world_size = check_int("world_size", world_size, 1)
+    for stage in stages:
+        check_int("stage", stage, 1, 3)
+    return spawn(
+        zero_worker, world_size, tuple(gpt_args), list(batches), tuple(stages), timeout=120
+    )
+
+
+def optimizer_state(
+    new_model: Callable[[], nn.Module],
+    optimizers: Mapping[str, Callable],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: Callable = lm_loss,
+) -> dict[str, dict[str, int]]:
+    """:func:`~lsdl_lab.memory.measure` of a fresh model and each optimizer after one step
+    on ``batch`` (an optimizer's state exists only once it has stepped)."""
+    out = {}
+    for name, make in optimizers.items():
+        model = new_model()
+        opt = make(model.parameters())
+        loss_fn(model(batch[0]), batch[1]).backward()
+        opt.step()
+        out[name] = measure(model, opt)
+    return out
+
+
+def train_curves(
+    new_model: Callable[[], nn.Module],
+    optimizers: Mapping[str, Callable],
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    loss_fn: Callable = lm_loss,
+) -> dict[str, list[float]]:
+    """The training loss of each step of a fresh model under each optimizer, on the same
+    batches (``batches(step)``)."""
+    steps = check_int("steps", steps, 1)
+    curves = {}
+    for name, make in optimizers.items():
+        model = new_model()
+        opt = make(model.parameters())
+        losses = []
+        for t in range(steps):
+            x, y = batches(t)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves[name] = losses
+    return curves
+
+
+def gradient_underflow(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: Callable = lm_loss,
+    scale: float = 2.0**16,
+    loss_factor: float = 1.0,
+) -> dict[str, float]:
+    """Fractions of the model's gradient entries that are exactly zero after one backward
+    pass in float32, under float16 autocast, and under float16 autocast with the loss
+    multiplied by ``scale`` (then divided out in float32); and the fraction of the float32
+    gradient's entries below float16's smallest subnormal 2^-24 in magnitude, which a
+    float16 gradient cannot hold. ``loss_factor`` multiplies the loss in all three runs
+    (a mean over ``loss_factor``-times more tokens has gradients that much smaller)."""
+    check_positive("scale", scale)
+    check_positive("loss_factor", loss_factor)
+    device = next(model.parameters()).device
+
+    def grads(dtype, s):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.float16, enabled=dtype == torch.float16):
+            logits = model(batch[0])
+        (loss_fn(logits, batch[1]) * (loss_factor * s)).backward()
+        return torch.cat([p.grad.reshape(-1) / s for p in model.parameters()])
+
+    exact = grads(torch.float32, 1.0)
+    unscaled = grads(torch.float16, 1.0)
+    scaled = grads(torch.float16, scale)
+    model.zero_grad(set_to_none=True)
+    tiny = 2.0**-24
+    return {
+        "zero_float32": (exact == 0).float().mean().item(),
+        "zero_fp16": (unscaled == 0).float().mean().item(),
+        "zero_fp16_scaled": (scaled == 0).float().mean().item(),
+        "below_fp16_subnormal": ((exact != 0) & (exact.abs() < tiny)).float().mean().item(),
+        "relative_error_fp16": ((unscaled - exact).norm() / exact.norm()).item(),
+        "relative_error_fp16_scaled": ((scaled - exact).norm() / exact.norm()).item(),
+    }
+
+
+def precision_curves(
+    new_model: Callable[[], nn.Module],
+    make_optimizer: Callable,
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    modes: Sequence[str] = PRECISION_MODES,
+    loss_fn: Callable = lm_loss,
+    init_scale: float = 2.0**16,
+    growth_interval: int = 2000,
+) -> dict[str, dict]:
+    """Train a fresh model for ``steps`` steps in each precision ``mode``: ``"fp32"``,
+    ``"bf16"`` and ``"fp16"`` under autocast (float32 master weights, no scaling), and
+    ``"fp16 + scaler"`` with a :class:`~lsdl_lab.memory.LossScaler`. Per mode: ``losses``,
+    ``seconds`` and, with the scaler, ``scales`` (the scale each step used) and
+    ``skipped`` (the steps skipped for an inf/NaN gradient)."""
+    steps = check_int("steps", steps, 1)
+    out = {}
+    for mode in modes:
+        check_choice("mode", mode, PRECISION_MODES)
+        model = new_model()
+        opt = make_optimizer(model.parameters())
+        scaler = (
+            LossScaler(init_scale, growth_interval=growth_interval) if "scaler" in mode else None
+        )
+        losses, scales, skipped = [], [], []
+        start = time.perf_counter()
+        for t in range(steps):
+            batch = batches(t)
+            if mode == "fp32":
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(model(batch[0]), batch[1])
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+                continue
+            dtype = torch.bfloat16 if mode == "bf16" else torch.float16
+            if scaler is not None:
+                scales.append(scaler.get_scale())
+            losses.append(amp_step(model, opt, loss_fn, batch, dtype, scaler))
+            if scaler is not None and scaler.skipped:
+                skipped.append(t)
+        out[mode] = {
+            "losses": losses,
+            "seconds": time.perf_counter() - start,
+            "scales": scales,
+            "skipped": skipped,
+        }
+    return out
+
+
+def tanh_chain(layers: int, width: int, seed: int = 0) -> list[nn.Module]:
+    """Chen et al.'s setting: ``layers`` blocks ``Linear -> Tanh`` of equal width, each of
+    which keeps one tensor for the backward pass (its Tanh output, the next block's
+    input, which its Linear keeps too): one unit of activation per block."""
+    layers, width = check_int("layers", layers, 1), check_int("width", width, 1)
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)]
+
+
+def segment_peak(layers: int, every: int | None, input_bytes: float, block_bytes: float) -> float:
+    """Activation bytes of ``layers`` blocks checkpointed every ``every`` blocks, when a
+    block saves ``block_bytes`` (its input of ``input_bytes`` included) and a segment
+    boundary keeps only its input: the other ``ceil(L/k) - 1`` kept inputs plus the ``k``
+    blocks of the segment recomputed during the backward pass; ``L`` blocks' worth without
+    checkpointing. Minimal near :math:`k = \\sqrt{L\\,i/a}`, which is Chen et al.'s
+    :math:`\\sqrt{L}` when a block's activations are its input (:math:`a = i`)."""
+    layers = check_int("layers", layers, 1)
+    if every is None:
+        return layers * block_bytes
+    every = check_int("every", every, 1)
+    return (math.ceil(layers / every) - 1) * input_bytes + min(every, layers) * block_bytes
+
+
+def gpt_checkpoint_sweep(
+    gpt: GPT,
+    idx: torch.Tensor,
+    spacings: Sequence[int | None] | None = None,
+    repeats: int = 1,
+) -> list[dict]:
+    """:func:`~lsdl_lab.memory.sweep` over the GPT's blocks, on the embedded tokens
+    ``idx`` (the blocks' input, a leaf that requires a gradient); one row per spacing,
+    with ``unit_bytes`` (the bytes of one block's saved tensors without checkpointing)
+    and ``input_bytes`` (one block's input) added, the two numbers of
+    :func:`segment_peak`."""
+    with torch.no_grad():
+        x = gpt.drop(gpt.tok(idx) + gpt.pos(torch.arange(idx.shape[-1], device=idx.device)))
+    x.requires_grad_()
+    rows = sweep(list(gpt.blocks), x, spacings, repeats=repeats)
+    layers = len(gpt.blocks)
+    plain = next((r for r in rows if r["every"] is None), None)
+    if plain is None:
+        plain = sweep(list(gpt.blocks), x, [None])[0]
+    unit = plain["forward_bytes"] / layers
+    for row in rows:
+        row["unit_bytes"], row["input_bytes"] = unit, x.numel() * x.element_size()
+    return rows
+
+
+def measure_gpt(
+    gpt: GPT,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    make_optimizer: Callable,
+) -> dict[str, float]:
+    """One training step of ``gpt`` on ``batch``: the model states held after it
+    (:func:`~lsdl_lab.memory.measure`) and ``activations``, the peak of the bytes saved
+    for backward (:class:`~lsdl_lab.memory.SavedTensorBytes`, parameters excluded)."""
+    gpt.zero_grad(set_to_none=True)
+    with SavedTensorBytes(gpt) as saved:
+        lm_loss(gpt(batch[0]), batch[1]).backward()
+    opt = make_optimizer(gpt.parameters())
+    opt.step()
+    out = measure(gpt, opt)
+    out["activations"] = saved.peak
+    out["total"] += saved.peak
+    return out

@@ -1,0 +1,185 @@
+"""The checkers of Lab 8 accept right answers, reject the usual wrong ones with a hint that
+names the mistake, and pass the exercise stub's NotImplementedError through; their
+references are the library (LossScaler, Adafactor, ZeroOptimizer's partition)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lsdl_lab import check, optim
+from lsdl_lab.check import PLACEHOLDER_MESSAGE, CheckFailed
+from lsdl_lab.exercises import lab08
+from lsdl_lab.memory import LossScaler
+
+# -- the references are the library --------------------------------------------------------
+
+
+def test_scaler_update_reference_replays_the_library_scaler():
+    scaler = LossScaler(2.0**10, growth_interval=3)
+    p = torch.zeros(2, requires_grad=True)
+    state = (scaler.get_scale(), 0)
+    for found_inf in (False, True, False, False, False, True, True, False):
+        p.grad = torch.tensor([1.0, math.inf if found_inf else 2.0])
+        scaler.unscale_(torch.optim.SGD([p], lr=0.0))
+        scaler.update()
+        state = lab08.scaler_update(*state, found_inf, 3)
+        assert state == (scaler.get_scale(), scaler.state_dict()["_growth_tracker"])
+    assert lab08.scaler_update(1.0, 0, True) == (1.0, 0)  # the floor
+    assert lab08.scaler_update(2.0**16, 1999, False) == (2.0**17, 0)
+
+
+def test_factored_second_moment_reference_is_adafactors_first_step():
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, requires_grad=True)
+    g = torch.randn(5, 3)
+    opt = optim.Adafactor([w], relative_step=False, scale_parameter=False, lr=1.0, d=math.inf)
+    w.grad = g
+    opt.step()  # beta2_1 = 1 - 1^-0.8 = 0: the factors are the row and column means of G²
+    row, col, v = lab08.factored_second_moment(torch.zeros(5, 1), torch.zeros(1, 3), g, 0.0)
+    assert torch.allclose(row, (g**2).mean(1, keepdim=True))
+    assert torch.allclose(col, (g**2).mean(0, keepdim=True))
+    assert torch.allclose(row, opt.state[w]["row_var"]) and torch.allclose(
+        col, opt.state[w]["col_var"]
+    )
+    assert torch.allclose(v, row @ col / row.mean())
+    # rank one: exact for a gradient whose square is an outer product
+    a, b = torch.rand(4, 1) + 0.5, torch.rand(1, 6) + 0.5
+    _, _, v = lab08.factored_second_moment(
+        torch.zeros(4, 1), torch.zeros(1, 6), (a @ b).sqrt(), 0.0
+    )
+    assert torch.allclose(v, a @ b)
+
+
+def test_zero1_partition_covers_each_unit_once():
+    sizes = [3, 64, 5, 1]
+    for world in (1, 2, 3, 4, 8):
+        owned = [0] * len(sizes)
+        for rank in range(world):
+            for i, (start, stop) in enumerate(lab08.zero1_partition(sizes, world, rank)):
+                assert 0 <= start <= stop <= sizes[i]
+                owned[i] += stop - start
+        assert owned == sizes
+    assert lab08.zero1_partition([7], 2, 1) == [(4, 7)]
+    assert lab08.zero1_partition([1, 1], 4, 3) == [(0, 0), (0, 0)]
+
+
+# -- right answers pass --------------------------------------------------------------------
+
+
+def right_scaler_update(
+    scale, growth_tracker, found_inf, growth_interval=2000, growth_factor=2.0,
+    backoff_factor=0.5, min_scale=1.0,
+):  # fmt: skip
+    if found_inf:
+        return max(scale * backoff_factor, min_scale), 0
+    growth_tracker += 1
+    if growth_tracker == growth_interval:
+        grown = float(torch.tensor(scale * growth_factor, dtype=torch.float32))
+        return (grown if math.isfinite(grown) else scale), 0
+    return scale, growth_tracker
+
+
+def right_factored_second_moment(row, col, grad, beta2):
+    g2 = grad**2
+    row = beta2 * row + (1 - beta2) * g2.mean(dim=1, keepdim=True)
+    col = beta2 * col + (1 - beta2) * g2.mean(dim=0, keepdim=True)
+    return row, col, row @ col / row.mean()
+
+
+def right_zero1_partition(sizes, world_size, rank):
+    padded = math.ceil(sum(sizes) / world_size) * world_size
+    lo, hi = rank * padded // world_size, (rank + 1) * padded // world_size
+    out, offset = [], 0
+    for n in sizes:
+        a, b = max(lo, offset), min(hi, offset + n)
+        out.append((a - offset, b - offset) if a < b else (0, 0))
+        offset += n
+    return out
+
+
+def test_right_answers_pass(capsys):
+    check.checker("lab08.scaler_update")(right_scaler_update)
+    check.checker("lab08.factored_second_moment")(right_factored_second_moment)
+    check.checker("lab08.zero1_partition")(right_zero1_partition)
+    out = capsys.readouterr().out
+    assert "✔ scaler_update" in out and "✔ factored_second_moment" in out
+    assert "✔ zero1_partition" in out
+
+
+def test_the_references_pass_their_own_checkers():
+    check.checker("lab08.scaler_update")(lab08.scaler_update)
+    check.checker("lab08.factored_second_moment")(lab08.factored_second_moment)
+    check.checker("lab08.zero1_partition")(lab08.zero1_partition)
+
+
+# -- wrong answers fail, with the hint that names the mistake ------------------------------
+
+
+def no_floor(scale, growth_tracker, found_inf, growth_interval=2000, growth_factor=2.0,
+             backoff_factor=0.5, min_scale=1.0):  # fmt: skip
+    if found_inf:
+        return scale * backoff_factor, 0
+    return right_scaler_update(scale, growth_tracker, False, growth_interval, growth_factor)
+
+
+def keeps_count(scale, growth_tracker, found_inf, *args, **kwargs):
+    if found_inf:
+        return scale * 0.5, growth_tracker
+    return right_scaler_update(scale, growth_tracker, False, *args, **kwargs)
+
+
+def sums_not_means(row, col, grad, beta2):
+    g2 = grad**2
+    row = beta2 * row + (1 - beta2) * g2.sum(dim=1, keepdim=True)
+    col = beta2 * col + (1 - beta2) * g2.sum(dim=0, keepdim=True)
+    return row, col, row @ col / row.mean()
+
+
+def no_normalization(row, col, grad, beta2):
+    row, col, _ = right_factored_second_moment(row, col, grad, beta2)
+    return row, col, row @ col
+
+
+def unpadded(sizes, world_size, rank):
+    # slices of sum(sizes) // world_size: the remainder is lost
+    size = sum(sizes) // world_size
+    lo, hi = rank * size, (rank + 1) * size
+    return [(lo, hi)] if len(sizes) == 1 else right_zero1_partition(sizes, world_size, rank)
+
+
+def one_range(sizes, world_size, rank):
+    size = math.ceil(sum(sizes) / world_size)
+    return [(rank * size, min((rank + 1) * size, sum(sizes)))]
+
+
+@pytest.mark.parametrize(
+    "name, fn, hint",
+    [
+        ("lab08.scaler_update", no_floor, "never goes below min_scale"),
+        ("lab08.scaler_update", keeps_count, "restarts the count"),
+        ("lab08.factored_second_moment", sums_not_means, "row \\*means\\*"),
+        ("lab08.factored_second_moment", no_normalization, "mean of R"),
+        ("lab08.zero1_partition", unpadded, "pad the unit"),
+        ("lab08.zero1_partition", one_range, "one range per parameter"),
+    ],
+)
+def test_wrong_answers_fail_with_the_hint(name, fn, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check.checker(name)(fn)
+
+
+# -- the exercise stub -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["lab08.scaler_update", "lab08.factored_second_moment", "lab08.zero1_partition"]
+)
+def test_the_stub_asks_for_a_solution(name):
+    def stub(*args, **kwargs):
+        raise NotImplementedError(PLACEHOLDER_MESSAGE)
+
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        check.checker(name)(stub)
