@@ -13,7 +13,8 @@ parameters. Options of a step are bound with :func:`functools.partial`::
 Later chapters swap the step, not the loop: mixed precision with a loss scaler,
 gradient accumulation over micro-batches and data-parallel steps are other functions
 with the same signature (a step that skips its update, as a loss scaler does on an
-overflow, says so with ``stepped=False``, and the schedule does not advance).
+overflow, says so with ``stepped=False``, and the schedule does not advance; a step with
+state of its own, a :class:`StatefulStep`, is saved in checkpoints and restored on resume).
 
 The :class:`Task` says what the model is trained to do: its loss, how many examples a
 batch holds (N images for classification, B x T tokens for language modeling), and its
@@ -59,6 +60,7 @@ __all__ = [
     "History",
     "LanguageModeling",
     "NonFiniteLossError",
+    "StatefulStep",
     "StepResult",
     "Task",
     "accuracy",
@@ -257,6 +259,24 @@ class StepResult:
     stepped: bool = True  # False: the update was skipped, the schedule does not advance
 
 
+class StatefulStep(abc.ABC):
+    """A step function with state of its own that a resumed run needs (a loss scaler's
+    scale and its count of clean steps, say): :func:`fit` saves its ``state_dict()`` in
+    the checkpoint and loads it back on resume, as it does the optimizer's."""
+
+    @abc.abstractmethod
+    def __call__(self, model, optimizer, batch, task: Task) -> StepResult:
+        """One step, as :func:`train_step`."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict:
+        """The step's state."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -338,26 +358,32 @@ def load_checkpoint(path, map_location=None) -> dict:
         ) from e
 
 
-def _save(path, model, optimizer, scheduler, history: History, step: int, elapsed: float):
+def _stateful(model, optimizer, scheduler, step) -> dict:
+    """What a checkpoint holds besides the history, the step count and the RNG states."""
+    parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    if isinstance(step, StatefulStep):
+        parts["step_fn"] = step
+    return {name: part for name, part in parts.items() if part is not None}
+
+
+def _save(path, parts: dict, history: History, step: int, elapsed: float) -> None:
+    states = {name: part.state_dict() for name, part in parts.items()}
     save_checkpoint(
-        path,
-        model=model.state_dict(),
-        optimizer=optimizer.state_dict(),
-        scheduler=scheduler.state_dict() if scheduler is not None else None,
-        history=history.state_dict(),
-        step=step,
-        elapsed=elapsed,
-        rng=_rng_state(),
+        path, **states, history=history.state_dict(), step=step, elapsed=elapsed, rng=_rng_state()
     )
 
 
-def _restore(path, model, optimizer, scheduler, device) -> tuple[History, int, float]:
-    """Load what :func:`_save` wrote; return the history, the step and the elapsed time."""
+def _restore(path, parts: dict, device) -> tuple[History, int, float]:
+    """Load what :func:`_save` wrote into ``parts``; return the history, the step and the
+    elapsed time."""
     state = load_checkpoint(path, map_location=device)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
+    for name, part in parts.items():
+        if state.get(name) is None:
+            raise ValueError(
+                f"checkpoint {path} holds no {name} state, but this run has one; resume with "
+                "the same kind of run that wrote it, or delete it to start afresh"
+            )
+        part.load_state_dict(state[name])
     _set_rng_state(state["rng"])
     return History.from_state_dict(state["history"]), state["step"], state["elapsed"]
 
@@ -490,8 +516,9 @@ def fit(
     device = torch.device(device) if device is not None else device_of(model)
     model.to(device)
     history, start, elapsed = History(), 0, 0.0
+    parts = _stateful(model, optimizer, scheduler, step)
     if resume and checkpoint is not None and Path(checkpoint).exists():
-        history, start, elapsed = _restore(checkpoint, model, optimizer, scheduler, device)
+        history, start, elapsed = _restore(checkpoint, parts, device)
     model.train()
     window = _Totals()
     bar = tqdm(
@@ -525,7 +552,7 @@ def fit(
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
             history.eval.append({"step": done, "time": elapsed, **metrics})
         if checkpoint is not None and when.due(when.checkpoint_every, done):
-            _save(checkpoint, model, optimizer, scheduler, history, done, elapsed)
+            _save(checkpoint, parts, history, done, elapsed)
         if callback is not None:
             callback(done, history)
     bar.close()

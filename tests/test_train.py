@@ -401,3 +401,72 @@ def test_accuracy_is_the_fraction_of_rows_whose_top_logit_is_the_target():
     acc = train.accuracy(output, target)
     assert acc.dtype == torch.float64 and acc.ndim == 0
     assert acc.item() == 0.75
+
+
+class CountingClippedStep(train.StatefulStep):
+    """train_step with clipping whose threshold halves every 4 steps: its state matters."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, model, optimizer, batch, task):
+        self.calls += 1
+        clip = 2.0 ** -(self.calls // 4)
+        return train.train_step(model, optimizer, batch, task, clip_grad_norm=clip)
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+
+def test_a_stateful_step_is_checkpointed_and_resumed_exactly(tmp_path):
+    batches, _ = image_batches()
+    model, opt, _ = make_resnet()
+    step = CountingClippedStep()
+    train.fit(model, opt, batches, steps=12, step=step, progress=False)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    assert step.calls == 12
+
+    ckpt = tmp_path / "run.pt"
+    model, opt, _ = make_resnet()
+    with pytest.raises(Killed):
+        train.fit(
+            model,
+            opt,
+            batches,
+            steps=12,
+            step=CountingClippedStep(),
+            progress=False,
+            checkpoint=ckpt,
+            checkpoint_every=5,
+            callback=kill_at(7),
+        )
+    model, opt, _ = make_resnet()
+    step = CountingClippedStep()
+    train.fit(
+        model, opt, batches, steps=12, step=step, progress=False, checkpoint=ckpt, resume=True
+    )
+    assert step.calls == 12  # 5 restored from the checkpoint, 7 run
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_resuming_with_a_part_the_checkpoint_lacks_is_a_clear_error(tmp_path):
+    batches, _ = image_batches()
+    ckpt = tmp_path / "run.pt"
+    model, opt, _ = make_resnet()
+    train.fit(model, opt, batches, steps=2, progress=False, checkpoint=ckpt)
+    model, opt, sched = make_resnet()
+    with pytest.raises(ValueError, match="holds no scheduler state"):
+        train.fit(
+            model,
+            opt,
+            batches,
+            steps=4,
+            scheduler=sched,
+            progress=False,
+            checkpoint=ckpt,
+            resume=True,
+        )
