@@ -1,8 +1,10 @@
 """ZeRO stages 1-3 at world 2 on gloo, in one spawned world (sharded_workers.run_all):
 trajectories equal to DDP's and to one process on the global batch (float64), torch's
-ZeroRedundancyOptimizer and FSDP2 fully_shard on the same run, bytes per rank equal to
-zero_bytes, communication per step equal to 2Psi / 2Psi / 3Psi, and one loss-scaler skip
-decision for all ranks. Argument and misuse errors in a world of one, in this process."""
+ZeroRedundancyOptimizer and FSDP2 fully_shard on the same run (bfloat16 mixed precision
+and CPU offload too), bytes per rank equal to zero_bytes (float64 Adam, and the paper's
+2 + 2 + 12 in bfloat16), communication per step equal to 2Psi / 2Psi / 3Psi, and one
+loss-scaler skip decision for all ranks. Argument and misuse errors, and micro-batch
+accumulation, in a world of one, in this process."""
 
 import sys
 from pathlib import Path
