@@ -90,9 +90,9 @@ class Layer:
     def __init__(self, module: nn.Module, bias: bool):
         self.module, self.bias = module, bias
         self.batch = 0  # N, the batch the loss is a mean over
-        self.a: Tensor | None = None  # rows of inputs (with a 1 column for the bias)
-        self.output: Tensor | None = None  # the output tensor, for the sampled backward
-        self.g: Tensor | None = None  # rows of per-example output gradients
+        self.a: Tensor | None = None  # the last input
+        self.output: Tensor | None = None  # the last output, for the sampled backward
+        self.g: Tensor | None = None  # the loss's gradient at the last output
 
     @property
     def params(self) -> list[Tensor]:
@@ -126,8 +126,11 @@ class Layer:
 def _supported(module: nn.Module) -> bool:
     if isinstance(module, nn.Linear):
         return True
-    return (  # grouped convolutions and other paddings need other factors: fall back
-        isinstance(module, nn.Conv2d) and module.groups == 1 and module.padding_mode == "zeros"
+    return (  # grouped convolutions and other paddings need other patches: fall back
+        isinstance(module, nn.Conv2d)
+        and module.groups == 1
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
     )
 
 
@@ -274,7 +277,12 @@ class KFAC(Optimizer):
         state["step"] = t = state.get("step", 0) + 1
         if (t - 1) % group["update_freq"] == 0:
             for name in ("A", "G"):
-                lam, Q = torch.linalg.eigh(state[name].to(torch.float64))
+                try:
+                    lam, Q = torch.linalg.eigh(state[name].to(torch.float64))
+                except torch.linalg.LinAlgError:
+                    if "Q" + name in state:
+                        continue  # keep the last eigenbasis (kfac-pytorch users meet this)
+                    raise
                 state["d" + name], state["Q" + name] = lam.clamp(min=0.0), Q
         return state
 

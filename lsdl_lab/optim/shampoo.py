@@ -136,10 +136,10 @@ class Shampoo(Optimizer):
         blocks = tensor_blocks(g, size)
         k = blocks[0].dim()
         if "statistics" not in state:
-            eye = [[eps * torch.eye(n, dtype=g.dtype, device=g.device) for n in b.shape]
-                   for b in blocks]  # fmt: skip
-            state["statistics"] = eye
-            state["roots"] = [[h.clone() for h in hs] for hs in eye]
+            eye = [[torch.eye(n, dtype=g.dtype, device=g.device) for n in b.shape] for b in blocks]
+            state["statistics"] = [[eps * e for e in es] for es in eye]
+            # the root of eps I, until the first refresh (I when eps = 0)
+            state["roots"] = [[eps ** (-1 / (2 * k)) * e if eps else e for e in es] for es in eye]
         direction = torch.empty_like(g)
         refresh = (t - 1) % group["update_freq"] == 0
         for G, out, H, roots in zip(
@@ -149,7 +149,10 @@ class Shampoo(Optimizer):
             for i in range(k):
                 H[i].add_(torch.tensordot(G, G, dims=(_others(k, i), _others(k, i))))
                 if refresh:
-                    roots[i].copy_(inverse_root(H[i], 1 / (2 * k), eps))
+                    try:
+                        roots[i].copy_(inverse_root(H[i], 1 / (2 * k), eps))
+                    except torch.linalg.LinAlgError:
+                        pass  # keep the last root, as Anil et al. (2020) and Meta's Shampoo do
             for i in range(k):  # contracting dimension 0 each time cycles back to the order
                 G = torch.tensordot(G, roots[i], dims=([0], [0]))
             out.copy_(G.reshape(out.shape))

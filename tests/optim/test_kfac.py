@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from digits_race import best_first_order, steps_to_loss
 from torch import nn
 
 from lsdl_lab._util import generator
@@ -230,3 +231,13 @@ def test_a_model_without_supported_layers_is_refused():
         KFAC(nn.Sequential(nn.LayerNorm(3), nn.Embedding(4, 3)))
     with pytest.raises(TypeError, match="Invalid model: a list"):
         KFAC(list(nn.Linear(2, 2).parameters()))
+
+
+def test_kfac_reaches_a_target_loss_in_fewer_steps_than_sgd_and_adam():
+    # measured (seed 0): K-FAC 21 steps to a training loss of 0.1, SGD 42 and Adam 32 (the
+    # best of three learning rates each). KL-clipping sets K-FAC's step length here: with
+    # kl_clip=0.01 any lr from 0.1 to 1 takes the same steps; without it, it diverges.
+    kfac = steps_to_loss(lambda m: KFAC(m, lr=0.3, damping=0.01, kl_clip=0.01, momentum=0.0,
+                                        update_freq=10, seed=0))  # fmt: skip
+    best = min(best_first_order().values())
+    assert kfac is not None and kfac <= 0.8 * best, (kfac, best_first_order())
