@@ -127,8 +127,8 @@ def _check_shardable(model: nn.Module) -> None:
 class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO-DP stage 1, 2 or 3 (Rajbhandari et al. 2020) around ``optimizer_class``.
 
-    ``ZeroOptimizer(model, optimizer_class, stage, process_group=None, **optimizer_kwargs)``
-    takes the place of both DDP and the optimizer: do not wrap ``model`` in DDP. Each rank
+    It takes the place of both DDP and the optimizer (``optimizer_kwargs`` go to
+    ``optimizer_class``): do not wrap ``model`` in DDP. Each rank
     runs ``model`` on its own micro-batch, calls ``loss.backward()`` and then ``step()``;
     the gradients are averaged over the group, as DDP's. At construction the group's first
     rank's parameters are broadcast (as DDP does) and hooks are put on ``model``.
@@ -157,7 +157,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     shards (or their master copies), so a :class:`~lsdl_lab.memory.LossScaler` with
     ``process_group`` unscales and checks this rank's shard, and all ranks take the same
     skip decision.
-    :meth:`held_bytes` measures what the rank holds.
+    :meth:`held_bytes` measures what the rank holds; :meth:`full_parameters` assembles the
+    whole model. :attr:`units` is the partition, one unit per module that owns parameters
+    (in ``model.modules()`` order): its ``module``, ``params``, ``numel``, ``padded``
+    (``numel`` rounded up to a multiple of N), ``own`` (the slice of the padded flat
+    vector this rank holds), ``shard`` and ``master``.
 
     Limits, for readable code: every parameter requires a gradient and gets one in each
     backward pass; a parameter is used only inside the forward of the module that owns it
@@ -331,7 +335,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, by :func:`~lsdl_lab.memory.measure` over the model, the
         shards and the wrapped optimizer's state (each storage once; stage 1 and 2 shards
-        are views of the parameters). Keys as :func:`~lsdl_lab.memory.zero_bytes`."""
+        are views of the parameters), master copies counted as optimizer state. Keys as
+        :func:`~lsdl_lab.memory.zero_bytes`."""
         out = measure(self._holder, self)
         masters = sum(
             u.master.untyped_storage().nbytes() for u in self.units if u.master is not None
