@@ -245,17 +245,19 @@ class KFAC(Optimizer):
 
     # -- the step ---------------------------------------------------------------------------
 
-    @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.state["kfac"]["step"] += 1
-        for group in self.param_groups:
-            self.precondition_(group)
-        super().step()
-        return loss
+        """One step: the closure (when given) computes the gradients, K-FAC preconditions
+        them in place, and the base class's loop applies :meth:`update`."""
+
+        def closure_then_precondition():
+            loss = None if closure is None else closure()
+            with torch.no_grad():
+                self.state["kfac"]["step"] += 1
+                for group in self.param_groups:
+                    self.precondition_(group)
+            return loss
+
+        return super().step(closure_then_precondition)
 
     def factors_(self, layer: Layer, group: dict) -> dict:
         r"""Fold the last batch into the moving averages :math:`A` and :math:`G` (the first

@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from digits_race import best_first_order, steps_to_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -146,3 +147,11 @@ def test_bad_arguments_are_clear_errors(kw, error, message):
     with pytest.raises(error, match=re.escape(message)):
         Shampoo([torch.zeros(2, 2, requires_grad=True)], **kw)
     Shampoo([torch.zeros(2, 2, requires_grad=True)], epsilon=0.0, grafting="none")  # allowed
+
+
+def test_shampoo_reaches_a_target_loss_in_fewer_steps_than_sgd_and_adam():
+    # measured (seed 0): Shampoo 14 steps to a training loss of 0.1, SGD 42 and Adam 32 (the
+    # best of three learning rates each); with roots refreshed every 10 steps, 24
+    shampoo = steps_to_loss(lambda m: Shampoo(m.parameters(), lr=0.1, update_freq=1))
+    best = min(best_first_order().values())
+    assert shampoo is not None and shampoo <= 0.8 * best, (shampoo, best_first_order())
