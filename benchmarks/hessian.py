@@ -90,6 +90,7 @@ CASES = {
     "tiny": ("MLP 64-8-10, 1 batch", lambda: models.MLP(64, 10, hidden=8, depth=1), 1),
 }
 DEFAULT_CASES = "mlp,resnet8,resnet8x4"
+DEFAULT_EQUAL_CASES = "mlp,resnet8"
 
 
 def pyhessian():
@@ -236,7 +237,9 @@ def probes(H: curvature.HessianOperator, theirs: Theirs | None, s: Settings, dev
         return "ran"
 
     def top_eigenvalue() -> float:
-        return curvature.top_eigenvalues(H, iters=s.iters, tol=s.tol, seed=s.seed)[0][0]
+        return curvature.top_eigenvalues(H, iters=s.iters, tol=s.tol, seed=s.seed, method="power")[
+            0
+        ][0]
 
     def ritz_range(sd) -> str:
         return f"Ritz values in [{sd.nodes.min():.4g}, {sd.nodes.max():.4g}]"
@@ -311,11 +314,265 @@ def benchmark_case(name: str, settings: Settings, device, timer, log) -> tuple[s
     return header, n, rows
 
 
+# --- at equal error: fewer products (Lanczos, Hutch++) against PyHessian's ------------------
+
+
+@dataclass
+class Equal:
+    """The equal-error comparison: each side at the loosest setting of its own knob that
+    reaches the target on this case, found by a sweep before timing."""
+
+    train_epochs: int = 100  # full-batch Adam steps before measuring: a trained network
+    k: int = 3  # top-k eigenvalues
+    eig_error: float = 1e-3  # largest relative error of the k eigenvalues, against a reference
+    trace_error: float = 0.02  # standard error of the trace, relative to the reference trace
+    max_iters: int = 500  # per eigenvalue (power iteration) or in all (Lanczos)
+    ref_samples: int = 300  # XTrace products of the reference trace
+    max_probes: int = 3000  # Hutchinson's probes at most
+    repeats: int = 3  # timed pairs
+
+
+POWER_TOLS = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5, 3e-6, 1e-6, 1e-7)
+LANCZOS_TOLS = (3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 1e-5, 1e-6)
+TRACE_PRODUCTS = (12, 24, 48, 96, 192, 384, 768, 1536)
+
+
+@dataclass
+class Side:
+    setting: str = ""
+    hvps: float = math.nan
+    error: str = ""
+    answer: str = ""
+
+
+@dataclass
+class EqualRow:
+    probe: str
+    target: str
+    sides: dict[str, Side] = field(default_factory=dict)  # "lsdl_lab", "PyHessian"
+    ms: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    speedup: tuple[float, float, float] = (math.nan,) * 3
+    pairs: int = 0
+
+
+def relative_error(values, reference) -> float:
+    values = sorted(values, key=abs, reverse=True)
+    return max(abs(a - b) / abs(b) for a, b in zip(values, reference))
+
+
+def loosest(run: Callable, settings, good: Callable):
+    """The first of ``settings`` (loosest first) whose result is good, with its result; the
+    last one's if none is."""
+    for setting in settings:
+        result = run(setting)
+        if good(result):
+            break
+    return setting, result
+
+
+def time_equal(row: EqualRow, fns: dict, counts: dict, repeats: int, timer) -> None:
+    """Time the chosen settings in interleaved pairs; products per call from ``counts``."""
+    before = {who: count() for who, count in counts.items()}
+    result = compare(fns, repeats=repeats, warmup=1, timer=timer)
+    row.pairs = repeats
+    for who in fns:
+        row.ms[who] = tuple(1e3 * t for t in quartiles(result.times[who]))
+        row.sides[who].hvps = (counts[who]() - before[who]) / (repeats + 1)
+    if len(fns) == 2:
+        row.speedup = quartiles(result.ratios("PyHessian", "lsdl_lab"))
+
+
+def top_k_row(H, theirs: Theirs | None, counts, eq: Equal, seed: int, timer) -> EqualRow:
+    """Top-k eigenvalues: Lanczos (its residual tolerance swept) against PyHessian's power
+    iteration with deflation (its relative-change tolerance swept), at the same largest
+    relative error against a tightly converged reference (Lanczos, another seed)."""
+    k = eq.k
+    reference, _ = curvature.top_eigenvalues(H, k=k, iters=1000, tol=1e-10, seed=seed + 1)
+    row = EqualRow(f"top {k} eigenvalues", f"largest relative error ≤ {eq.eig_error:g}")
+
+    def ours(tol):
+        return curvature.top_eigenvalues(H, k=k, iters=eq.max_iters, tol=tol, seed=seed)[0]
+
+    def good(values):
+        return relative_error(values, reference) <= eq.eig_error
+
+    tol, values = loosest(ours, LANCZOS_TOLS, good)
+    fns = {"lsdl_lab": lambda: ours(tol)}
+    row.sides["lsdl_lab"] = Side(
+        f"Lanczos, tol {tol:g}", error=f"{relative_error(values, reference):.1e}"
+    )
+    if theirs is not None:
+
+        def their(t):
+            return theirs.call("eigenvalues", seed, maxIter=eq.max_iters, tol=t, top_n=k)[0]
+
+        their_tol, their_values = loosest(their, POWER_TOLS, good)
+        fns["PyHessian"] = lambda: their(their_tol)
+        row.sides["PyHessian"] = Side(
+            f"power iteration, tol {their_tol:g}",
+            error=f"{relative_error(their_values, reference):.1e}",
+        )
+    time_equal(row, fns, {w: counts[w] for w in fns}, eq.repeats, timer)
+    return row
+
+
+def pilot_probes(theirs: Theirs, target: float, eq: Equal, seed: int) -> int:
+    """The Hutchinson probes PyHessian needs for a standard error of ``target``, from its own
+    pilot of 30 probes (sigma^2 / target^2)."""
+    pilot = theirs.call("trace", seed, maxIter=30, tol=-math.inf)
+    return min(eq.max_probes, max(2, math.ceil((statistics.stdev(pilot) / target) ** 2)))
+
+
+def trace_row(
+    H, theirs: Theirs | None, counts, eq: Equal, seed: int, timer, method: str, reference, n
+) -> EqualRow:
+    """The trace: Hutch++ or XTrace (products doubled until the standard error reaches the
+    target) against PyHessian's Hutchinson with ``n`` probes (what its pilot's spread asks
+    for), at the same standard error; the distance to ``reference`` beside it."""
+    ref, ref_se = reference
+    target = eq.trace_error * abs(ref)
+    name = {"hutch++": "Hutch++", "xtrace": "XTrace"}[method]
+    row = EqualRow(
+        f"trace ({name})",
+        f"standard error ≤ {100 * eq.trace_error:g}% of tr H = {ref:.4g} ± {ref_se:.1g}",
+    )
+
+    def ours(m):
+        return curvature.trace(H, samples=m, seed=seed, method=method)
+
+    def describe(mean, se):
+        return f"SE {100 * se / abs(ref):.1f}%, off by {100 * abs(mean - ref) / abs(ref):.1f}%"
+
+    m, (mean, se) = loosest(ours, TRACE_PRODUCTS, lambda r: r[1] <= target)
+    fns = {"lsdl_lab": lambda: ours(m)}
+    row.sides["lsdl_lab"] = Side(f"{name}, {m} products", error=describe(mean, se))
+    if theirs is not None:
+
+        def their():
+            samples = theirs.call("trace", seed, maxIter=n, tol=-math.inf)
+            return statistics.fmean(samples), statistics.stdev(samples) / math.sqrt(n)
+
+        fns["PyHessian"] = their
+        row.sides["PyHessian"] = Side(f"Hutchinson, {n} probes", error=describe(*their()))
+    time_equal(row, fns, {w: counts[w] for w in fns}, eq.repeats, timer)
+    return row
+
+
+def trained(model: nn.Module, batches, epochs: int) -> nn.Module:
+    """``epochs`` full-batch Adam steps (lr 3e-3) on the batches: near a minimum, where the
+    book measures curvature (Chapter 5), the spectrum decays as it does not at
+    initialization, and Hutch++ and XTrace can deflate its top."""
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(epochs):
+        opt.zero_grad()
+        sum(len(x) * F.cross_entropy(model(x), y) for x, y in batches).backward()
+        opt.step()
+    return model
+
+
+def equal_error_case(name: str, settings: Settings, eq: Equal, device, timer, log):
+    """Both equal-error rows of one case: (header, rows)."""
+    model, batches = make_case(name, settings, device)
+    with torch.no_grad():
+        before = sum(len(x) * F.cross_entropy(model(x), y) for x, y in batches).item()
+    model = trained(model, batches, eq.train_epochs)
+    with torch.no_grad():
+        after = sum(len(x) * F.cross_entropy(model(x), y) for x, y in batches).item()
+    n_examples = sum(len(x) for x, _ in batches)
+    H = curvature.HessianOperator(model, F.cross_entropy, batches)
+    ph = pyhessian()
+    theirs = Theirs(ph, model, batches, device) if ph is not None else None
+    counts = {"lsdl_lab": lambda: H.products}
+    if theirs is not None:
+        counts["PyHessian"] = lambda: theirs.count[0]
+    header = (
+        f"{CASES[name][0]}: {H.num_parameters:,} parameters, trained {eq.train_epochs} "
+        f"full-batch Adam steps (loss {before / n_examples:.3g} → {after / n_examples:.2g})"
+    )
+    log(header)
+    seed = settings.seed
+    reference = curvature.trace(H, samples=eq.ref_samples, seed=seed + 1, method="xtrace")
+    target = eq.trace_error * abs(reference[0])
+    n = pilot_probes(theirs, target, eq, seed + 2) if theirs is not None else 0
+    rows = [top_k_row(H, theirs, counts, eq, seed, timer)]
+    for method in ("hutch++", "xtrace"):
+        rows.append(trace_row(H, theirs, counts, eq, seed, timer, method, reference, n))
+    for row in rows:
+        log(
+            f"  {row.probe:<20} "
+            + "  ".join(
+                f"{w} {row.sides[w].setting}: {row.sides[w].hvps:g} HVPs, {row.ms[w][1]:.1f} ms, "
+                f"{row.sides[w].error}"
+                for w in row.ms
+            )
+        )
+    return header, rows
+
+
+def equal_error_report(sections) -> list[str]:
+    out = [
+        "",
+        "# At equal error: fewer Hessian-vector products",
+        "",
+        "Each side at the loosest setting of its own knob that reaches the row's target on "
+        "this case (found by a sweep before timing): Lanczos' residual tolerance against "
+        "PyHessian's power iteration with deflation and its relative-change tolerance; "
+        "Hutch++'s number of products against PyHessian's Hutchinson with the number of "
+        "probes its own pilot's spread asks for (σ²/target²). Each network is trained first "
+        "(full-batch Adam on the same examples): the book measures curvature near minima. "
+        "Error: the largest relative "
+        "error of the k eigenvalues against a reference converged to 1e-10; for the trace, "
+        "the estimator's standard error and its distance to a reference trace (XTrace with "
+        "many products, another seed), both relative. Ratios: PyHessian / lsdl_lab (above "
+        f"1: lsdl_lab needs fewer products, less time; the goal is {GOAL:g}).",
+    ]
+    for header, rows in sections:
+        out += [
+            "",
+            f"## {header}",
+            "",
+            "| probe | target | lsdl_lab | HVPs | ms | error | PyHessian | HVPs | ms | error "
+            "| HVP ratio | speed-up | pairs |",
+            "|---|---|---|---:|---:|---|---|---:|---:|---|---:|---:|---:|",
+        ]
+        for r in rows:
+            cells = [r.probe, r.target]
+            for who in ("lsdl_lab", "PyHessian"):
+                if who in r.ms:
+                    q1, med, q3 = r.ms[who]
+                    side = r.sides[who]
+                    cells += [
+                        side.setting,
+                        f"{side.hvps:g}",
+                        f"{med:.1f} [{q1:.1f}–{q3:.1f}]",
+                        side.error,
+                    ]
+                else:
+                    cells += ["", "", "", "PyHessian is not installed"]
+            hvp_ratio = (
+                r.sides["PyHessian"].hvps / r.sides["lsdl_lab"].hvps
+                if "PyHessian" in r.ms
+                else math.nan
+            )
+            q1, med, q3 = r.speedup
+            cells += [
+                "" if math.isnan(hvp_ratio) else bold(f"{hvp_ratio:.1f}", hvp_ratio),
+                "" if math.isnan(med) else bold(f"{med:.2f}", med) + f" [{q1:.2f}–{q3:.2f}]",
+                str(r.pairs),
+            ]
+            out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def bold(text: str, value: float) -> str:
+    return f"**{text}**" if value >= GOAL else text
+
+
 def per_hvp(row: Row, who: str) -> float:
     return row.ms[who][1] / row.hvps[who] if row.hvps.get(who) else math.nan
 
 
-def report(sections, settings: Settings, head: list[str]) -> str:
+def report(sections, settings: Settings, head: list[str], equal_sections=()) -> str:
     out = ["# Hessian probes: lsdl_lab against PyHessian 0.1", "", *head, ""]
     out += [
         "Same model, data, seeds and settings on both sides; PyHessian on a copy of the model. "
@@ -367,12 +624,19 @@ def report(sections, settings: Settings, head: list[str]) -> str:
         f"{settings.budget:g} s, at most {MAX_PAIRS}), after one untimed round; seed "
         f"{settings.seed}. The density row's PyHessian time is the time until it fails.",
     ]
+    if equal_sections:
+        out += equal_error_report(equal_sections)
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=DEFAULT_CASES, help=f"from {', '.join(CASES)}")
+    parser.add_argument(
+        "--equal-cases",
+        default=DEFAULT_EQUAL_CASES,
+        help="cases of the equal-error table (Lanczos, Hutch++), comma-separated; '' for none",
+    )
     add_device_options(parser)
     parser.add_argument("--iters", type=int, default=Settings.iters)
     parser.add_argument("--probes", type=int, default=Settings.probes)
@@ -396,8 +660,10 @@ def main(argv: list[str] | None = None) -> str:
         probe_repeats=args.repeats,
         budget=args.budget,
     )
+    equal = Equal()
     if args.quick:
-        args.cases = "tiny"
+        args.cases = args.equal_cases = "tiny"
+        equal = Equal(train_epochs=10, k=2, max_iters=60, ref_samples=60, max_probes=60, repeats=1)
         settings = Settings(
             examples=64, iters=3, probes=3, lanczos=3, hvp_repeats=2, probe_repeats=1, budget=0
         )
@@ -409,6 +675,9 @@ def main(argv: list[str] | None = None) -> str:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if not cases or any(c not in CASES for c in cases):
         parser.error(f"Invalid --cases {args.cases!r} (choose from {', '.join(CASES)})")
+    equal_cases = [c.strip() for c in args.equal_cases.split(",") if c.strip()]
+    if any(c not in CASES for c in equal_cases):
+        parser.error(f"Invalid --equal-cases {args.equal_cases!r} (choose from {', '.join(CASES)})")
     device, timer, head = device_setup(parser, args)
     ph = pyhessian()
     head.append(f"- PyHessian {getattr(ph, '__version__', '0.1') if ph else 'not installed'}")
@@ -416,8 +685,12 @@ def main(argv: list[str] | None = None) -> str:
     for case in cases:
         sections.append(benchmark_case(case, settings, device, timer, log))
         gc.collect()  # PyHessian's create_graph backward leaves reference cycles behind
+    equal_sections = []
+    for case in equal_cases:
+        equal_sections.append(equal_error_case(case, settings, equal, device, timer, log))
+        gc.collect()
     head.append(f"- load average at end: {load_average()}")
-    text = report(sections, settings, head)
+    text = report(sections, settings, head, equal_sections)
     default = None if args.quick else results_path(DEFAULT_OUT, device)
     out = args.out if args.out is not None else default
     write_report(text, out, log)

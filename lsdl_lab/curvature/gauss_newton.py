@@ -85,16 +85,6 @@ class GGNOperator(_OutputSpaceOperator):
     formed.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        params: Sequence[torch.Tensor] | None = None,
-    ):
-        super().__init__(model, loss_fn, batches, params)
-
     def _output_product(self, b, out, u):
         y = self.batches[b][1]
         # reverse over reverse: H_l is symmetric, so u^T H_l = (H_l u)^T (forward over

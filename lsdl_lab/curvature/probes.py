@@ -4,16 +4,21 @@ Each probe is a short function of the products :math:`Av` of a symmetric operato
 PyHessian (Yao et al., 2020), and takes any :class:`~lsdl_lab.curvature.operators.CurvatureOperator`
 (a network's Hessian, an explicit matrix, the curvature matrices of Chapter 6):
 
-- :func:`top_eigenvalues`: power iteration with deflation, the sharpness :math:`\lambda_1`;
+- :func:`top_eigenvalues`: the k eigenvalues of largest magnitude (the sharpness
+  :math:`\lambda_1`) by Lanczos with a residual stopping rule, or by power iteration with
+  deflation as PyHessian;
 - :func:`lanczos` and :func:`lanczos_eigenvalues`: the Lanczos (1950) tridiagonalization and
   its Ritz values;
-- :func:`trace`: Hutchinson's (1989) estimator :math:`\operatorname{tr}A = \mathbb E[v^\top Av]`;
+- :func:`trace`: Hutchinson's (1989) estimator :math:`\operatorname{tr}A = \mathbb E[v^\top Av]`,
+  or Hutch++ (Meyer et al., 2021) and XTrace (Epperly et al., 2024), which take the top of
+  the spectrum exactly and need far fewer products when it decays;
 - :func:`spectral_density`: stochastic Lanczos quadrature (Golub & Meurant, 2010; Ghorbani,
   Krishnan & Xiao, 2019), the whole eigenvalue density.
 
 Unlike PyHessian 0.1 every random vector comes from a generator seeded by ``seed`` (on the
 operator's device, in its dtype), and the tridiagonal matrix is diagonalized with ``eigh``
-(real nodes and weights).
+(real nodes and weights). benchmarks/README.md counts the products each needs at equal
+error against PyHessian's.
 """
 
 from __future__ import annotations
