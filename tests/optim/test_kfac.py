@@ -249,3 +249,18 @@ def test_kfac_reaches_a_target_loss_in_fewer_steps_than_sgd_and_adam():
                                         update_freq=10, seed=0))  # fmt: skip
     best = min(best_first_order().values())
     assert kfac is not None and kfac <= 0.8 * best, (kfac, best_first_order())
+
+
+def test_remove_hooks_detaches_the_optimizer_from_the_model():
+    model, shape = models()[0]
+    x, y = data(shape)
+    opt = KFAC(model, fisher="empirical")
+    model(x)
+    assert all(layer.a is not None for layer in opt.layers.values())
+    opt2 = KFAC(model, fisher="empirical")
+    opt2.remove_hooks()
+    model(x)
+    assert all(layer.a is None for layer in opt2.layers.values())
+    with pytest.raises(RuntimeError, match="no factors"):
+        F.cross_entropy(model(x), y).backward()
+        opt2.step()
