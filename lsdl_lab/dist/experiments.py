@@ -328,6 +328,7 @@ def local_sgd_run(
     warmup_steps: int = 0,
     make_model: Callable[[], nn.Module] = digits_mlp,
     seed: int = 0,
+    overlap_repeats: int = 5,
 ) -> dict:
     """Local SGD on the digits at each averaging period H (:class:`PeriodicAverager`, plain
     SGD, ``batch`` examples per step over all ranks, the same examples for every H), and
@@ -368,7 +369,7 @@ def local_sgd_run(
         torch.manual_seed(seed)
         return make_model()
 
-    overlap = overlap_times(make, xb, yb, nn.functional.cross_entropy)
+    overlap = overlap_times(make, xb, yb, nn.functional.cross_entropy, repeats=overlap_repeats)
     return {"periods": out, "overlap": overlap}
 
 

@@ -23,7 +23,8 @@ import textwrap
 import torch
 import torch.distributed as dist
 
-from ..check import CheckFailed, check_value, exercise
+from ..check import CheckFailed, exercise
+from ..check.compare import difference
 from ..compress import ErrorFeedback, SignSGD, TopK, unpack_bits
 from ..dist.world import WorkerError, spawn
 
@@ -166,6 +167,14 @@ def error_feedback_step(grad: torch.Tensor, error: torch.Tensor, compressor):
     return payload, corrected - compressor.decompress(payload)
 
 
+def _same(name: str, got, expected, tol: float = 1e-12) -> None:
+    """Raise :class:`CheckFailed` with the comparison engine's explanation if ``got``
+    differs from ``expected``; silent when they agree (one line is printed per exercise)."""
+    found = difference(got, expected, name, tol, tol, False)
+    if found is not None:
+        raise CheckFailed(f"{name} differs from the expected value\n  {found}")
+
+
 @exercise("lab07.error_feedback_step")
 def check_error_feedback_step(student_fn) -> None:
     g = torch.Generator().manual_seed(7)
@@ -181,16 +190,15 @@ def check_error_feedback_step(student_fn) -> None:
             sent = compressor.decompress(payload)
             expected_sent = reference.decompress(reference.compress(grad))
             what = f"{type(compressor).__name__}, step {step}"
-            check_value(f"what is sent ({what})", sent, expected_sent, rtol=1e-12, atol=1e-12)
-            check_value(f"the new error ({what})", error, reference.error, rtol=1e-12, atol=1e-12)
+            _same(f"what is sent ({what})", sent, expected_sent)
+            _same(f"the new error ({what})", error, reference.error)
             total_sent += sent
             total_grad += grad
-        check_value(
+        _same(
             "sum of what was sent + the last error (it must telescope to the sum of gradients)",
             total_sent + error,
             total_grad,
-            rtol=1e-10,
-            atol=1e-10,
+            tol=1e-10,
         )
     print("✔ error_feedback_step: equals lsdl_lab.compress.ErrorFeedback, and telescopes")
 
@@ -246,7 +254,7 @@ def check_sign_compressor(compressor) -> None:
             raise CheckFailed(f"compress({label}): the scale must be one number")
         got = compressor.decompress(bits, scale, d)
         expected = reference.decompress(reference.compress(grad))
-        check_value(f"decompress(compress(g)) for {label}", got, expected)
+        _same(f"decompress(compress(g)) for {label}", got, expected, tol=1e-6)
     print("✔ compress / decompress: 1 bit per entry, the round trip equals SignSGD's")
 
 
