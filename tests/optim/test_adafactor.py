@@ -1,8 +1,8 @@
-"""Tests of lsdl_lab.optim.adafactor: bit for bit torch.optim.Adafactor where the settings
-coincide; state of n + m numbers for an n x m matrix (against Adam's 2nm); the factored
-second moment keeps the row and column means of G^2 (and is G^2 itself when G^2 has rank
-one); the decay schedule, update clipping, relative step size, parameter scale and first
-moment, each against its equation."""
+"""Tests of lsdl_lab.optim.adafactor: torch.optim.Adafactor's steps where the settings coincide
+(to rounding: float64 runs agree to 1e-10 after 100 steps); state of n + m numbers for an n
+x m matrix (against Adam's 2nm); the factored second moment keeps the row and column means
+of G^2 (and is G^2 itself when G^2 has rank one); the decay schedule, update clipping,
+relative step size, parameter scale and first moment, each against its equation."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from optim_helpers import (
     NO_SHRINK,
-    assert_same,
     gradient_sequences,
     ours,
     power_of_two_scaling_test,
@@ -66,23 +65,44 @@ def test_same_defaults_as_torch():
     assert (ours_["eps1"].default, ours_["eps2"].default) == theirs["eps"].default
 
 
+# The same operations in the same order, except two the library computes faster: the row
+# and column means of G^2 (torch: the squared norm along the dimension, which rounds
+# differently by an ulp or two) and max(1, RMS/d) (torch: Python floats; here 0-d tensors
+# of the parameters' dtype, no synchronization). So the runs agree to rounding, amplified
+# by training: float64 to 1e-10 after 100 steps; float32 to 2e-4 on the MLP (on the
+# ResNet, BatchNorm amplifies float32's ulps to 1e-2 in 25 steps: compared in float64).
+TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-14), torch.float32: dict(rtol=2e-4, atol=1e-7)}
+
+
+def assert_close_run(a, b, dtype):
+    """Same parameters and the same state under the same names, to ``TOLERANCE``."""
+    (model_a, opt_a), (model_b, opt_b) = a, b
+    for pa, pb in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, **TOLERANCE[dtype])
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sa.keys() == sb.keys()
+        assert float(sa["step"]) == float(sb["step"])  # a Python int here, a tensor in torch
+        for key in sa.keys() - {"step"}:
+            torch.testing.assert_close(sa[key], sb[key], **TOLERANCE[dtype])
+
+
 @settings(max_examples=6, deadline=None, phases=NO_SHRINK)
 @given(kw=HYPER, second=st.none() | HYPER, dtype=st.sampled_from([torch.float32, torch.float64]),
        foreach=st.booleans())  # fmt: skip
 def test_matches_torch_optim(kw, second, dtype, foreach):
     # with a second group: the first layer with kw, the others with `second` and the
-    # constructor's default lr; foreach=False must equal torch's foreach path too
+    # constructor's default lr; foreach=False must agree with torch's foreach path too
     split = None if second is None else (kw, {k: v for k, v in second.items() if k != "lr"})
     kw = kw if split is None else {}
     a = run(ours("Adafactor", split, **kw, foreach=foreach), dtype=dtype)
-    assert_same(a, run(torchs(split, **kw), dtype=dtype))
+    assert_close_run(a, run(torchs(split, **kw), dtype=dtype), dtype)
 
 
 def test_matches_torch_optim_on_a_resnet():
     # conv weights (factored over their last two dimensions, as torch does), BatchNorm and
     # linear parameters in one multi-tensor call
-    a = run(ours("Adafactor", **FULL), "resnet", steps=25)
-    assert_same(a, run(torchs(**FULL), "resnet", steps=25))
+    a = run(ours("Adafactor", **FULL), "resnet", torch.float64, steps=25)
+    assert_close_run(a, run(torchs(**FULL), "resnet", torch.float64, steps=25), torch.float64)
 
 
 test_zero_learning_rate_leaves_parameters_unchanged = zero_learning_rate_test(
