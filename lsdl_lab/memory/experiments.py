@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -75,6 +76,9 @@ def zero_worker(rank: int, world_size: int, gpt_args: tuple, batches: list, stag
     """One rank of :func:`zero_per_rank`: for each stage, a fresh bfloat16 GPT
     (:func:`untied_gpt` with ``gpt_args``) under ``ZeroOptimizer(stage, Adam, float32
     master)``, one step per batch on the rank's half of each ``(x, y)`` batch."""
+    # Stage 3's backward pre-hooks fire on modules whose inputs need no gradient (the
+    # embeddings take token indices); torch warns about it, and it is intended here.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     out = {}
     for stage in stages:
         model = untied_gpt(*gpt_args).bfloat16()
@@ -96,7 +100,7 @@ def zero_worker(rank: int, world_size: int, gpt_args: tuple, batches: list, stag
             "units": [
                 {
                     "module": names[id(u.module)] or "(model)",
-                    "sizes": [p.numel() for p in u.params],
+                    "sizes": [shape.numel() for shape in u.shapes],
                     "numel": u.numel,
                     "padded": u.padded,
                     "own": (u.own.start, u.own.stop),
@@ -218,7 +222,10 @@ def precision_curves(
 ) -> dict[str, dict]:
     """Train a fresh model for ``steps`` steps in each precision ``mode``: ``"fp32"``,
     ``"bf16"`` and ``"fp16"`` under autocast (float32 master weights, no scaling), and
-    ``"fp16 + scaler"`` with a :class:`~lsdl_lab.memory.LossScaler`. Per mode: ``losses``,
+    ``"fp16 + scaler"`` with a :class:`~lsdl_lab.memory.LossScaler`. A step that the scaler
+    skips is tried again on the same batch, so that the steps taken in every mode see the
+    same batches in the same order and the losses compare batch by batch. Per mode:
+    ``losses`` (of every step, skipped or not), ``batch`` (the batch index of each step),
     ``seconds`` and, with the scaler, ``scales`` (the scale each step used) and
     ``skipped`` (the steps skipped for an inf/NaN gradient)."""
     steps = check_int("steps", steps, 1)
@@ -227,32 +234,33 @@ def precision_curves(
         check_choice("mode", mode, PRECISION_MODES)
         model = new_model()
         opt = make_optimizer(model.parameters())
-        scaler = (
-            LossScaler(init_scale, growth_interval=growth_interval) if "scaler" in mode else None
-        )
-        losses, scales, skipped = [], [], []
+        scaler = None
+        if "scaler" in mode:
+            scaler = LossScaler(init_scale, growth_interval=growth_interval)
+        run = {"losses": [], "batch": [], "scales": [], "skipped": []}
+        taken = 0
         start = time.perf_counter()
         for t in range(steps):
-            batch = batches(t)
+            batch = batches(taken)
+            run["batch"].append(taken)
             if mode == "fp32":
                 opt.zero_grad(set_to_none=True)
                 loss = loss_fn(model(batch[0]), batch[1])
                 loss.backward()
                 opt.step()
-                losses.append(loss.item())
+                run["losses"].append(loss.item())
+                taken += 1
                 continue
             dtype = torch.bfloat16 if mode == "bf16" else torch.float16
             if scaler is not None:
-                scales.append(scaler.get_scale())
-            losses.append(amp_step(model, opt, loss_fn, batch, dtype, scaler))
+                run["scales"].append(scaler.get_scale())
+            run["losses"].append(amp_step(model, opt, loss_fn, batch, dtype, scaler))
             if scaler is not None and scaler.skipped:
-                skipped.append(t)
-        out[mode] = {
-            "losses": losses,
-            "seconds": time.perf_counter() - start,
-            "scales": scales,
-            "skipped": skipped,
-        }
+                run["skipped"].append(t)
+            else:
+                taken += 1
+        run["seconds"] = time.perf_counter() - start
+        out[mode] = run
     return out
 
 
