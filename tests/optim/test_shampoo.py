@@ -155,3 +155,22 @@ def test_shampoo_reaches_a_target_loss_in_fewer_steps_than_sgd_and_adam():
     shampoo = steps_to_loss(lambda m: Shampoo(m.parameters(), lr=0.1, update_freq=1))
     best = min(best_first_order().values())
     assert shampoo is not None and shampoo <= 0.8 * best, (shampoo, best_first_order())
+
+
+def test_a_failed_root_keeps_the_last_one(monkeypatch):
+    from lsdl_lab.optim import shampoo
+
+    p = torch.zeros(3, 2, dtype=torch.float64, requires_grad=True)
+    opt = Shampoo([p], lr=0.1)
+    p.grad = torch.ones(3, 2, dtype=torch.float64)
+    opt.step()
+    roots = [r.clone() for r in opt.state[p]["roots"][0]]
+
+    def fail(*args):
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(shampoo, "inverse_root", fail)
+    p.grad = torch.ones(3, 2, dtype=torch.float64)
+    opt.step()  # statistics grow, roots stay
+    assert all(torch.equal(a, b) for a, b in zip(roots, opt.state[p]["roots"][0]))
+    assert torch.isfinite(p).all()
