@@ -1,0 +1,81 @@
+"""The chapter's and lab's experiments at toy sizes, in one world of 2: each returns what
+its docstring promises, with the effects that must hold at any size (bytes in their
+stated ratios, tensor parallelism equal to the dense block, staleness within its bound)."""
+
+import functools
+
+import pytest
+import torch
+
+from lsdl_lab.dist import call_each, spawn
+from lsdl_lab.dist import experiments as E
+
+NAMES = ["none", "fp16 (torch)", "sign + EF", "random-1% + EF", "PowerSGD r=2"]
+SMALL = functools.partial(E.digits_mlp, 16)
+
+
+@pytest.fixture(scope="module")
+def results():
+    runs = [
+        functools.partial(E.collective_times, nbytes=[4_000, 400_000], repeats=1),
+        functools.partial(E.compression_run, names=NAMES, steps=6, make_model=SMALL, start_iter=2),
+        functools.partial(
+            E.local_sgd_run, periods=(1, 4), steps=8, make_model=SMALL, overlap_repeats=1
+        ),
+        functools.partial(
+            E.model_parallel_run, micro_batches=(1, 2), width=8, rows=2, layers=1, dim=16, heads=2
+        ),
+        functools.partial(E.staleness_run, staleness=(0, 1), lr=0.5, steps=10),
+    ]
+    return spawn(call_each, 2, runs, timeout=120)
+
+
+def test_collective_times(results):
+    coll = results[0][0]
+    assert coll["nbytes"] == [4_000, 400_000]
+    assert set(coll["seconds"]) == {"ring", "tree", "built-in"}
+    assert all(t > 0 for ts in coll["seconds"].values() for t in ts)
+    assert all(a >= 0 and b >= 0 for a, b in coll["fit"].values())
+
+
+def test_compression_bytes_follow_the_formats(results):
+    comp = results[0][1]
+    d = comp["none"]["parameters"]
+    assert comp["none"]["bytes_per_step"] == 4 * d  # float32 all-reduce of every gradient
+    assert comp["fp16 (torch)"]["bytes_per_step"] == 2 * d
+    # one bucket: ceil(d / 8) bytes of signs plus one float32 scale
+    assert comp["sign + EF"]["bytes_per_step"] == -(-d // 8) + 4
+    assert comp["random-1% + EF"]["bytes_per_step"] < 0.02 * 4 * d
+    assert all(0 <= r["accuracy"] <= 1 and r["codec_s"] >= 0 for r in comp.values())
+    assert comp["none"]["codec_s"] == 0.0
+
+
+def test_local_sgd_rounds(results):
+    local = results[0][2]
+    assert local["periods"][1]["rounds"] == 8 and local["periods"][4]["rounds"] == 2
+    assert local["periods"][1]["bytes"] == 4 * local["periods"][4]["bytes"]
+    assert list(local["overlap"]) == ["after backward", "bucket 0.25 MB", "bucket 25 MB"]
+
+
+def test_model_parallel(results):
+    for rank in (0, 1):
+        mp = results[rank][3]
+        assert mp["tensor"]["output_error"] < 1e-12 and mp["tensor"]["grad_error"] < 1e-12
+        assert mp["tensor"]["bytes_per_forward"] == 2 * mp["tensor"]["activation_bytes"]
+        for (schedule, m), r in mp["pipeline"].items():
+            assert r["formula"] == pytest.approx(1 / (m + 1))
+            assert 0 <= r["bubble"] < 1
+            assert r["peak_in_flight"] == (m if schedule == "gpipe" else min(m, 2 - rank))
+            assert len(r["timeline"]) == 2 * m
+
+
+def test_staleness_within_its_bound(results):
+    stale = results[0][4]
+    assert results[1][4] is None  # the worker returns nothing
+    assert stale[0]["max_staleness"] == 0 and stale[1]["max_staleness"] <= 1
+    assert stale["sync"]["loss"] < E.least_squares_loss(torch.zeros(20, dtype=torch.float64))
+
+
+def test_too_few_steps_are_refused():
+    with pytest.raises(ValueError, match="steps"):
+        E.compression_run(0, 1, ["none"], steps=2, start_iter=5)
