@@ -1,0 +1,283 @@
+r"""Checkers of Lab 6, second-order optimization: a conjugate-gradient step, a
+Kronecker-factored solve, a matrix inverse root.
+
+The references are the library's own pieces, so a student whose function passes has
+rebuilt what the lab's optimizers run: one iteration of :func:`lsdl_lab.curvature.cg`
+(Hestenes & Stiefel, 1952), the solve at the heart of K-FAC (Martens & Grosse, 2015;
+:func:`lsdl_lab.optim.kfac.kfac_precondition`), and Shampoo's inverse root (Gupta et al.,
+2018; :func:`lsdl_lab.optim.shampoo.inverse_root`). When a function fails, the checker
+looks for the usual slips (the old residual in the new direction's coefficient, the
+factors swapped or transposed, an elementwise power instead of a matrix power, no floor
+on the eigenvalues) and names the one it finds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..check import CheckFailed, check_function, exercise
+from ..optim.shampoo import inverse_root as shampoo_inverse_root
+
+__all__ = ["cg_step", "inverse_root", "kron_solve"]
+
+
+def cg_step(A: Tensor, x: Tensor, r: Tensor, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    r"""One iteration of conjugate gradients on :math:`Ax = b` (Hestenes & Stiefel, 1952),
+    from the iterate ``x``, its residual :math:`r = b - Ax` and the search direction ``p``:
+
+    .. math:: \alpha = \frac{r^\top r}{p^\top A p},\quad x' = x + \alpha p,\quad
+              r' = r - \alpha A p,\quad p' = r' + \frac{r'^\top r'}{r^\top r}\,p.
+
+    Returns ``(x', r', p')``: one product :math:`Ap`, as in :func:`lsdl_lab.curvature.cg`."""
+    Ap = A @ p
+    rr = r @ r
+    alpha = rr / (p @ Ap)
+    x_new = x + alpha * p
+    r_new = r - alpha * Ap
+    p_new = r_new + (r_new @ r_new) / rr * p
+    return x_new, r_new, p_new
+
+
+def kron_solve(A: Tensor, G: Tensor, V: Tensor) -> Tensor:
+    r""":math:`(A \otimes G)^{-1}\operatorname{vec}(V) = \operatorname{vec}(G^{-1} V A^{-1})`
+    for symmetric positive definite ``A`` (``n x n``, the layer's input factor) and ``G``
+    (``m x m``, its output-gradient factor) and ``V`` (``m x n``, a weight-shaped
+    gradient), :math:`\operatorname{vec}` stacking columns. Two small solves instead of one
+    of size :math:`mn`: what makes K-FAC's step affordable (Martens & Grosse, 2015, Sec. 3)."""
+    return torch.linalg.solve(G, torch.linalg.solve(A, V.mT).mT)
+
+
+def inverse_root(H: Tensor, p: float, epsilon: float) -> Tensor:
+    r""":math:`H^{-p}` of a symmetric positive semi-definite ``H`` by its eigendecomposition
+    :math:`H = Q\Lambda Q^\top`: :math:`Q \max(\Lambda, \epsilon)^{-p} Q^\top`, computed in
+    float64 and returned in ``H``'s dtype (Shampoo's :math:`L^{-1/4}` is ``p = 1/4``)."""
+    return shampoo_inverse_root(H, p, epsilon)
+
+
+# -- the checks -------------------------------------------------------------------------
+
+
+def _spd(n: int, condition: float, seed: int, dtype=torch.float64) -> Tensor:
+    """A symmetric positive definite n x n matrix with eigenvalues from 1 to ``condition``."""
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    lam = torch.logspace(0, torch.log10(torch.tensor(condition)).item(), n, dtype=torch.float64)
+    return ((Q * lam) @ Q.T).to(dtype)
+
+
+def _vector(n: int, seed: int, dtype=torch.float64) -> Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _matrix(m: int, n: int, seed: int, dtype=torch.float64) -> Tensor:
+    return torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _hinted(failure: CheckFailed, hints: list[str]) -> CheckFailed:
+    return CheckFailed(f"{failure}" + "".join(f"\n  hint: {h}" for h in hints))
+
+
+def _matches(student, reference, args) -> bool:
+    try:
+        got = student(*args)
+    except Exception:
+        return False
+    expected = reference(*args)
+    if isinstance(expected, tuple):
+        return (
+            isinstance(got, (tuple, list))
+            and len(got) == len(expected)
+            and all(
+                isinstance(a, Tensor)
+                and a.shape == b.shape
+                and torch.allclose(a, b, atol=1e-8, equal_nan=True)
+                for a, b in zip(got, expected)
+            )
+        )
+    return (
+        isinstance(got, Tensor)
+        and got.shape == expected.shape
+        and torch.allclose(got, expected, rtol=1e-6, atol=1e-8, equal_nan=True)
+    )
+
+
+def _cg_start(A: Tensor, b: Tensor, iterations: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(A, x_k, r_k, p_k) after ``iterations`` reference steps from x = 0."""
+    x, r, p = torch.zeros_like(b), b.clone(), b.clone()
+    for _ in range(iterations):
+        x, r, p = cg_step(A, x, r, p)
+    return A, x, r, p
+
+
+def _cg_slip_old_beta(A, x, r, p):
+    Ap = A @ p
+    alpha = (r @ r) / (p @ Ap)
+    r_new = r - alpha * Ap
+    return x + alpha * p, r_new, r_new + (r_new @ r_new) / (r_new @ r_new) * p
+
+
+def _cg_slip_steepest(A, x, r, p):
+    Ap = A @ p
+    alpha = (r @ r) / (p @ Ap)
+    r_new = r - alpha * Ap
+    return x + alpha * p, r_new, r_new
+
+
+def _cg_slip_alpha(A, x, r, p):
+    Ap = A @ p
+    alpha = (r @ r) / (r @ (A @ r))
+    r_new = r - alpha * Ap
+    return x + alpha * p, r_new, r_new + (r_new @ r_new) / (r @ r) * p
+
+
+@exercise("lab06.cg_step")
+def check_cg_step(student_fn) -> None:
+    A, b = _spd(6, 100.0, 0), _vector(6, 1)
+    cases = [
+        _cg_start(A, b, 0),  # the first step: p = r = b
+        _cg_start(A, b, 2),  # later steps: p is no longer r
+        _cg_start(_spd(12, 1e3, 2), _vector(12, 3), 4),
+        _cg_start(
+            torch.diag(torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64)),
+            torch.ones(3, dtype=torch.float64),
+            1,
+        ),  # fmt: skip
+    ]
+    try:
+        check_function(student_fn, cg_step, cases, name="cg_step", rtol=1e-7, atol=1e-9)
+    except CheckFailed as failure:
+        later = cases[1]
+        hints = [
+            hint
+            for slip, hint in (
+                (_cg_slip_old_beta, "beta is (r'ᵀr') / (rᵀr): the NEW residual over the OLD one"),
+                (
+                    _cg_slip_steepest,
+                    "the new direction keeps beta p: p' = r' + beta p (without "
+                    "it, this is steepest descent, not CG)",
+                ),
+                (_cg_slip_alpha, "alpha = (rᵀr) / (pᵀAp): the curvature along p, not along r"),
+            )
+            if _matches(student_fn, slip, later)
+        ]
+        raise _hinted(failure, hints) from None
+    # n steps of the student's CG solve an n x n system (exact arithmetic; float64 here).
+    A, b = _spd(8, 50.0, 4), _vector(8, 5)
+    x, r, p = torch.zeros_like(b), b.clone(), b.clone()
+    for _ in range(8):
+        x, r, p = student_fn(A, x, r, p)
+    error = (torch.linalg.solve(A, b) - x).norm() / torch.linalg.solve(A, b).norm()
+    if not error < 1e-8:
+        raise CheckFailed(f"8 of your steps on an 8 x 8 system leave a relative error {error:.2e}")
+    print("✔ cg_step: equals one iteration of lsdl_lab.curvature.cg, and 8 steps solve 8 x 8")
+
+
+def _kron_slip_swapped(A, G, V):
+    return torch.linalg.solve(G, torch.linalg.solve(A, V).mT).mT
+
+
+def _kron_slip_inverse_missing(A, G, V):
+    return G @ V @ A
+
+
+def _kron_slip_one_side(A, G, V):
+    return torch.linalg.solve(G, V)
+
+
+@exercise("lab06.kron_solve")
+def check_kron_solve(student_fn) -> None:
+    cases = [
+        (_spd(3, 10.0, 0), _spd(4, 10.0, 1), _matrix(4, 3, 2)),  # a 4-out, 3-in layer
+        (_spd(5, 1e3, 3), _spd(2, 5.0, 4), _matrix(2, 5, 5)),
+        (_spd(4, 20.0, 6), _spd(4, 30.0, 7), _matrix(4, 4, 8)),  # square: a swap would fit
+        (
+            torch.eye(3, dtype=torch.float64),
+            2 * torch.eye(2, dtype=torch.float64),
+            _matrix(2, 3, 9),
+        ),  # fmt: skip
+    ]
+    try:
+        check_function(student_fn, kron_solve, cases, name="kron_solve", rtol=1e-6, atol=1e-9)
+    except CheckFailed as failure:
+        square = cases[2]
+        hints = [
+            hint
+            for slip, hint in (
+                (
+                    _kron_slip_swapped,
+                    "the factors are swapped: G (m x m) acts on V's rows, "
+                    "A (n x n) on its columns: G^{-1} V A^{-1}",
+                ),
+                (
+                    _kron_slip_inverse_missing,
+                    "that is (A ⊗ G) vec(V), the product; the "
+                    "solve needs the inverses (torch.linalg.solve, not @)",
+                ),
+                (_kron_slip_one_side, "both factors must be inverted: G^{-1} V A^{-1}"),
+            )
+            if _matches(student_fn, slip, square)
+        ]
+        raise _hinted(failure, hints) from None
+    # The identity itself: against the dense (A ⊗ G)^{-1} vec(V), vec stacking columns.
+    A, G, V = cases[1]
+    dense = torch.linalg.solve(torch.kron(A, G), V.mT.reshape(-1))
+    got = student_fn(A, G, V).mT.reshape(-1)
+    if not torch.allclose(got, dense, rtol=1e-6, atol=1e-9):
+        raise CheckFailed("your result is not (A ⊗ G)^{-1} vec(V) computed densely")
+    print("✔ kron_solve: equals the dense (A ⊗ G)^{-1} vec(V), with two small solves")
+
+
+def _root_slip_elementwise(H, p, epsilon):
+    return H.clamp(min=epsilon).pow(-p)
+
+
+def _root_slip_no_floor(H, p, epsilon):
+    lam, Q = torch.linalg.eigh(H.to(torch.float64))
+    return ((Q * lam.pow(-p)) @ Q.T).to(H.dtype)
+
+
+def _root_slip_sign(H, p, epsilon):
+    return shampoo_inverse_root(H, -p, epsilon)
+
+
+@exercise("lab06.inverse_root")
+def check_inverse_root(student_fn) -> None:
+    rank_two = _matrix(5, 2, 3) @ _matrix(5, 2, 3).T  # eigenvalues 0, 0, 0 and two others
+    cases = [
+        (_spd(4, 100.0, 0), 0.25, 1e-12),  # Shampoo's L^{-1/4}
+        (_spd(6, 1e4, 1), 0.5, 1e-12),  # full-matrix Adagrad's H^{-1/2}
+        (_spd(3, 10.0, 2), 1 / 6, 1e-12),  # an order-3 tensor: -1/(2k)
+        (rank_two, 0.25, 1e-6),  # singular: the floor keeps it finite
+        (_spd(4, 100.0, 4, torch.float32), 0.25, 1e-6),  # float32 in, float32 out
+    ]
+    try:
+        check_function(student_fn, inverse_root, cases, name="inverse_root", rtol=1e-5,
+                       atol=1e-6)  # fmt: skip
+    except CheckFailed as failure:
+        hints = [
+            hint
+            for slip, case, hint in (
+                (
+                    _root_slip_elementwise,
+                    cases[0],
+                    "H ** -p raises each ENTRY to a power; the "
+                    "matrix power acts on the eigenvalues: Q diag(λ^-p) Qᵀ",
+                ),
+                (
+                    _root_slip_no_floor,
+                    cases[3],
+                    "floor the eigenvalues at epsilon before the "
+                    "power: a singular H has eigenvalues 0 (or -1e-16 by rounding)",
+                ),
+                (_root_slip_sign, cases[0], "the exponent is -p: an INVERSE root"),
+            )
+            if _matches(student_fn, slip, case)
+        ]
+        raise _hinted(failure, hints) from None
+    H = _spd(5, 1e3, 5)
+    R = student_fn(H, 0.25, 1e-12)
+    four = torch.linalg.matrix_power(R, 4) @ H
+    if not torch.allclose(four, torch.eye(5, dtype=H.dtype), atol=1e-8):
+        raise CheckFailed("your H^{-1/4} to the fourth power times H is not the identity")
+    print("✔ inverse_root: equals Shampoo's float64 eigendecomposition root, floor included")

@@ -1,0 +1,225 @@
+r"""Races of optimizers: loss against steps and against wall-clock, and what each one keeps.
+
+A second-order method is judged on three clocks at once (Chapter 6): the *steps* it needs
+to reach a loss (where curvature helps), the *seconds* those steps take (where its extra
+work per step costs), and the *bytes* of state it keeps beside the weights (its
+preconditioners). :func:`race` trains one fresh model per optimizer on the same batches
+and records all three; :class:`Run` answers "how many steps, how many seconds to a target
+loss" and "how many bytes per parameter".
+
+Every optimizer of the book steps here, whatever its protocol:
+
+* first-order ones and Shampoo: ``loss.backward(); opt.step()``;
+* :class:`~lsdl_lab.optim.KFAC`: ``opt.backward(loss)`` (its sampled-label pass for the
+  true Fisher) then ``opt.step()``;
+* :class:`~lsdl_lab.optim.Newton` and :class:`~lsdl_lab.optim.HessianFree`:
+  ``opt.step(closure)`` with a closure returning ``(loss, outputs)`` with their graph
+  (Newton reads the loss, HF the outputs too).
+
+The time of a step is measured around the forward pass, the backward pass and the update
+(``time.perf_counter``; on CUDA after a synchronization), and the time of the update alone
+(``opt.step``) separately, so the cost of a preconditioner refresh can be read off the
+steps on which it happens. Evaluating the loss that is compared with the target is not
+timed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ._util import check_int, check_real
+from .optim.second_order import SecondOrderOptimizer
+
+__all__ = ["Run", "race", "relative_cost", "state_bytes", "train_run"]
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of every tensor in ``optimizer.state`` (nested in lists, tuples or dicts
+    too, as Shampoo's per-block statistics are): the optimizer's memory beside the weights
+    and their gradients. Step counters kept as Python numbers count nothing."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"Invalid optimizer: a {type(optimizer).__name__} (expected a torch.optim.Optimizer)"
+        )
+
+    def size(obj) -> int:
+        if isinstance(obj, Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, Mapping):
+            return sum(size(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(size(v) for v in obj)
+        return 0
+
+    return size(dict(optimizer.state))
+
+
+@dataclass
+class Run:
+    """One optimizer's run: after step ``t`` (``t = 1 .. steps``) the evaluated loss
+    ``losses[t - 1]``, the training seconds so far ``seconds[t - 1]`` and the seconds of
+    that step's update alone ``update_seconds[t - 1]``; the optimizer's ``state_bytes`` at
+    the end, and the model's ``num_parameters``. ``losses[t - 1]`` is NaN on the steps
+    that were not evaluated; a run that diverged stops early (``diverged``)."""
+
+    name: str
+    num_parameters: int
+    losses: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    update_seconds: list[float] = field(default_factory=list)
+    state_bytes: int = 0
+    diverged: bool = False
+
+    @property
+    def steps(self) -> int:
+        return len(self.seconds)
+
+    @property
+    def bytes_per_parameter(self) -> float:
+        """The optimizer's state in bytes per parameter of the model (Adam in float32: 8)."""
+        return self.state_bytes / self.num_parameters
+
+    def steps_to(self, target: float) -> int | None:
+        """The first step after which the evaluated loss is at most ``target`` (None: never)."""
+        for t, loss in enumerate(self.losses, 1):
+            if loss <= target:
+                return t
+        return None
+
+    def seconds_to(self, target: float) -> float | None:
+        """The training seconds until the loss first reached ``target`` (None: never)."""
+        t = self.steps_to(target)
+        return None if t is None else self.seconds[t - 1]
+
+    def final_loss(self) -> float:
+        """The last evaluated loss (infinity when the run diverged)."""
+        if self.diverged:
+            return math.inf
+        evaluated = [x for x in self.losses if not math.isnan(x)]
+        return evaluated[-1] if evaluated else math.nan
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_run(
+    name: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Callable[[int], tuple[Tensor, Tensor]],
+    steps: int,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    evaluate: Callable[[nn.Module], float] | None = None,
+    eval_every: int = 1,
+) -> Run:
+    """Train ``model`` with ``optimizer`` for ``steps`` steps on ``batches(t)`` (``t = 0,
+    1, ...``) and record a :class:`Run`. ``evaluate(model)`` gives the loss compared with
+    targets (default: the training batch's loss before the step, as most training loops
+    log); it runs in evaluation mode, without gradients, every ``eval_every`` steps and
+    after the last. A loss that is not finite ends the run (``diverged``)."""
+    steps = check_int("steps", steps, 1)
+    eval_every = check_int("eval_every", eval_every, 1)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    run = Run(name, sum(p.numel() for p in model.parameters() if p.requires_grad))
+    closure_style = isinstance(optimizer, SecondOrderOptimizer)
+    backward = getattr(optimizer, "backward", None) or (lambda loss: loss.backward())
+    elapsed = 0.0
+    for t in range(steps):
+        x, y = batches(t)
+        model.train()
+        _sync(device)
+        start = time.perf_counter()
+        if closure_style:
+
+            def closure(x=x, y=y):
+                out = model(x)
+                return loss_fn(out, y), out
+
+            update_start = start
+            loss = optimizer.step(closure)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            backward(loss)
+            _sync(device)
+            update_start = time.perf_counter()
+            optimizer.step()
+        _sync(device)
+        end = time.perf_counter()
+        elapsed += end - start
+        run.seconds.append(elapsed)
+        run.update_seconds.append(end - update_start)
+        batch_loss = float(loss.detach())
+        value = batch_loss
+        if evaluate is not None and ((t + 1) % eval_every == 0 or t + 1 == steps):
+            model.eval()
+            with torch.no_grad():
+                value = float(evaluate(model))
+            batch_loss = value if not math.isfinite(value) else batch_loss
+        elif evaluate is not None:
+            value = math.nan
+        run.losses.append(value)
+        if not math.isfinite(batch_loss):
+            run.diverged = True
+            break
+    run.state_bytes = state_bytes(optimizer)
+    return run
+
+
+def race(
+    make_model: Callable[[], nn.Module],
+    optimizers: Mapping[str, Callable[[nn.Module], torch.optim.Optimizer]],
+    batches: Callable[[int], tuple[Tensor, Tensor]],
+    steps: int,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    evaluate: Callable[[nn.Module], float] | None = None,
+    eval_every: int = 1,
+    progress: Callable[[Iterable], Iterable] | None = None,
+) -> dict[str, Run]:
+    """One :func:`train_run` per optimizer, each on a fresh ``make_model()`` (which should
+    seed itself, so that every optimizer starts from the same weights) and the same
+    ``batches``. ``optimizers`` maps a name to a function of the model that builds the
+    optimizer (K-FAC takes the model, the others its parameters). ``progress`` wraps the
+    names (``tqdm.auto.tqdm``, say)."""
+    if not isinstance(optimizers, Mapping) or not optimizers:
+        raise ValueError(
+            f"Invalid optimizers: {optimizers!r} (expected a non-empty mapping from names to "
+            "functions of the model)"
+        )
+    names = list(optimizers)
+    runs = {}
+    for name in progress(names) if progress is not None else names:
+        model = make_model()
+        runs[name] = train_run(
+            name, model, optimizers[name](model), batches, steps, loss_fn, evaluate, eval_every
+        )
+    return runs
+
+
+def relative_cost(runs: Mapping[str, Run], baseline: str, target: float) -> dict[str, dict]:
+    """For each run, its steps and seconds to ``target`` divided by ``baseline``'s (None
+    where either run never reached it), and its mean seconds per step relative to the
+    baseline's."""
+    check_real("target", target)
+    if baseline not in runs:
+        raise ValueError(f"Invalid baseline: {baseline!r} (expected one of {list(runs)})")
+    base = runs[baseline]
+    out = {}
+    for name, run in runs.items():
+        s, b = run.steps_to(target), base.steps_to(target)
+        ts, tb = run.seconds_to(target), base.seconds_to(target)
+        out[name] = dict(
+            steps=None if s is None or b is None else s / b,
+            seconds=None if ts is None or tb is None else ts / tb,
+            per_step=(run.seconds[-1] / run.steps) / (base.seconds[-1] / base.steps),
+        )
+    return out
