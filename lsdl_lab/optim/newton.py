@@ -23,7 +23,8 @@ learning rate on its part of the step.
 
 The dense Hessian has :math:`P^2` entries and its solve costs :math:`O(P^3)`: at
 ``method="exact"`` a model of more than ``max_params`` parameters (default 5,000: 200 MB in
-float64, :math:`10^{11}` flops a step) is refused. ``method="cg"`` solves the same system
+float64, :math:`4\cdot 10^{10}` flops for the factorization and 5,000 Hessian-vector products
+to build the matrix, each step) is refused. ``method="cg"`` solves the same system
 with Hessian-vector products (Pearlmutter, 1994) and conjugate gradients
 (:func:`lsdl_lab.curvature.cg`), without forming :math:`H` (Newton-CG, Nocedal & Wright,
 Alg. 7.1); for large networks, :class:`~lsdl_lab.optim.HessianFree` is the method.
@@ -34,8 +35,10 @@ uphill. What Newton does, per method:
 - ``"exact"``: if :math:`H + \lambda I` is not positive definite (its Cholesky factorization
   fails), a multiple of the identity is added, :math:`\tau = \max(2\tau, \beta)`, doubling
   until the factorization succeeds (Nocedal & Wright, Alg. 3.3, "Cholesky with added
-  multiple of the identity"; :math:`\beta = 10^{-3}\max_i |H_{ii}|`). The step is then a
-  descent direction.
+  multiple of the identity", with two choices of ours: :math:`\tau` starts from 0, not from
+  :math:`\beta - \min_i H_{ii}`, and :math:`\beta = 10^{-3}\max_i |H_{ii}|` takes their
+  :math:`10^{-3}` in the matrix's own scale, so the rule does not depend on the loss's units).
+  The step is then a descent direction.
 - ``"cg"``: conjugate gradients stop at the first direction of non-positive curvature and
   return the iterate reached; if that is the first iterate, the step is steepest descent,
   :math:`-g` (Nocedal & Wright, Alg. 7.1).

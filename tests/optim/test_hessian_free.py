@@ -218,7 +218,8 @@ def first_order(model, opt, x, y):
 def test_newton_and_hf_need_far_fewer_iterations_than_gradient_descent():
     # Measured (1 CPU thread): to a loss of 1e-3 gradient descent needs 1306, 438 and 246
     # iterations at lr 0.1, 0.3, 0.5 and diverges at 0.7 and above; Newton (damping 1e-2,
-    # line search) 14, Hessian-free (damping 1, 50 CG products) 11.
+    # line search) 13, Hessian-free (damping 1, 50 CG products) 11. In time: 0.65 s, 0.21 s
+    # and 0.38 s.
     target = 1e-3
     gd = min(
         iterations_to(target, lambda p, lr=lr: torch.optim.SGD(p, lr=lr), first_order, 600)
