@@ -32,7 +32,8 @@ Schraudolph, 2002) and :math:`\lambda` the damping:
   resumes exactly; a damping of 0 stays 0.
 
 The closure returns **the loss and the model's outputs**, both with their graph, and does
-not call ``backward`` (as pytorch-hessianfree's closure, F. Meirinhos)::
+not call ``backward`` (pytorch-hessianfree's closure, by F. Meirinhos, also returns the loss
+and the outputs, after its own ``backward(create_graph=True)``)::
 
     opt = HessianFree(model.parameters(), damping=1.0, cg_iters=50)
     for x, y in batches:
@@ -44,10 +45,11 @@ not call ``backward`` (as pytorch-hessianfree's closure, F. Meirinhos)::
 :math:`Gv = J^\top H_\ell J v` is computed on that graph (:class:`LossGGN`): the curvature
 of what the loss does to the outputs, so a term of the loss that does not pass through the
 outputs (an explicit weight penalty) is in the gradient but not in :math:`G`; HF's damping
-plays the part of a weight penalty's curvature. The memory is a few vectors of the model's
-size, as for a first-order method; each step costs the closure, one gradient, up to
-``cg_iters`` GGN products (about three backward passes each) and one more closure call (two
-or more with the line search).
+plays the part of a weight penalty's curvature. The memory is the closure's graph and a few
+vectors of the model's size, as for a first-order method, so unlike
+:class:`~lsdl_lab.optim.Newton` no model is too large for it; each step costs the closure,
+one gradient, up to ``cg_iters`` GGN products (about three backward passes each) and one
+more evaluation of the loss (one per trial with the line search).
 """
 
 from __future__ import annotations
@@ -116,14 +118,13 @@ class HessianFree(SecondOrderOptimizer):
     Levenberg-Marquardt damping (see the module's docstring for the algorithm and the
     closure).
 
-    ``lr`` scales the step (1: the CG solution); ``damping`` is the initial :math:`\lambda`
-    (Martens & Sutskever, 2012, Sec. 8.5, suggest adapting from about 1 in their units);
-    ``cg_iters`` the products' budget and ``cg_tol`` the relative residual at which CG stops;
-    ``warm_start_decay`` :math:`\zeta \in [0, 1]`; ``line_search`` and ``adapt_damping``
-    switch those on. The state of each parameter is its part of the last CG solution,
-    ``"direction"``. After a step, ``last`` holds what it did: the
-    :class:`~lsdl_lab.curvature.CGInfo` of the solve, the reduction ratio ``rho`` (NaN if
-    not adapting), the step length ``alpha``.
+    ``lr`` scales the step (1: the CG solution); ``damping`` is the initial
+    :math:`\lambda`, adapted from there; ``cg_iters`` is the products' budget and ``cg_tol``
+    the relative residual at which CG stops; ``warm_start_decay`` is
+    :math:`\zeta \in [0, 1]`; ``line_search`` and ``adapt_damping`` switch those on. The
+    state of each parameter is its part of the last CG solution, ``"direction"``. After a
+    step, ``last`` holds what it did: the :class:`~lsdl_lab.curvature.CGInfo` of the solve,
+    the reduction ratio ``rho`` (NaN if not adapting) and the step length ``alpha``.
     """
 
     def __init__(
