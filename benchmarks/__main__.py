@@ -3,9 +3,13 @@
 ``--only`` picks some (comma-separated, in this order): ``bandwidth`` (the hardware limit
 of an optimizer step, ``benchmarks/bandwidth.py``), ``hessian`` (the Hessian probes against
 PyHessian), ``optimizers`` (step times against torch.optim, LARS and LAMB against their
-references) and ``project-cost`` (each lab, the tests and the book build, timed: tens of
-minutes, so not in the default set). Each writes its table to ``benchmarks/results/``;
-``--quick`` runs each on a tiny model and writes nothing (a test that everything runs);
+references), ``communication`` (the hand-built ring and tree all-reduce against
+``dist.all_reduce``, the compressors against torch's DDP hooks), ``zero`` (ZeRO's stages
+against DDP, ZeroRedundancyOptimizer and FSDP2 at world 2), ``second-order`` (K-FAC and
+Shampoo beside Adam and pytorch-optimizer's Shampoo) and ``project-cost`` (each lab, the
+tests and the book build, timed: tens of minutes, so not in the default set). Each
+writes its table to ``benchmarks/results/``; ``--quick`` runs each on a tiny model and
+writes nothing (a test that everything runs);
 ``--full`` gives each more time and sizes (:data:`FULL`): steadier ratios, about three
 times as long.
 """
@@ -15,14 +19,32 @@ from __future__ import annotations
 import argparse
 import time
 
-BENCHMARKS = ("bandwidth", "hessian", "optimizers", "project-cost")
-DEFAULT = "bandwidth,hessian,optimizers"
+BENCHMARKS = (
+    "bandwidth",
+    "hessian",
+    "optimizers",
+    "communication",
+    "zero",
+    "second-order",
+    "project-cost",
+)
+DEFAULT = "bandwidth,hessian,optimizers,communication,zero,second-order"
 # --full: three times the timed pairs per optimizer row, both large models for bandwidth,
 # and the larger ResNet for the Hessian probes.
 FULL = {
     "bandwidth": ["--sizes", "10M,50M", "--budget", "4"],
     "hessian": ["--cases", "mlp,resnet8,resnet8x4,resnet14"],
     "optimizers": ["--budget", "6", "--warmup", "3"],
+    "communication": [
+        "--sizes",
+        "1e5,3e5,1e6,3e6,1e7",
+        "--repeats",
+        "60",
+        "--codec-repeats",
+        "100",
+    ],
+    "zero": ["--repeats", "60"],
+    "second-order": ["--rounds", "100"],
     "project-cost": [],
 }
 
@@ -45,13 +67,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from benchmarks import bandwidth, hessian, optimizers, project_cost
+    from benchmarks import (
+        bandwidth,
+        communication,
+        hessian,
+        optimizers,
+        project_cost,
+        second_order,
+        zero,
+    )
     from benchmarks.timing import log
 
     mains = {
         "bandwidth": bandwidth.main,
         "hessian": hessian.main,
         "optimizers": optimizers.main,
+        "communication": communication.main,
+        "zero": zero.main,
+        "second-order": second_order.main,
         "project-cost": project_cost.main,
     }
     for name in [n for n in BENCHMARKS if n in args.names]:

@@ -325,7 +325,14 @@ def test_project_cost_table():
 
 
 def test_run_all_options():
-    assert run_all.parse_args([]).names == ["bandwidth", "hessian", "optimizers"]
+    assert run_all.parse_args([]).names == [
+        "bandwidth",
+        "hessian",
+        "optimizers",
+        "communication",
+        "zero",
+        "second-order",
+    ]
     assert run_all.parse_args(["--only", "hessian"]).names == ["hessian"]
     for argv in (["--only", "gpu"], ["--quick", "--only", "project-cost"]):
         with pytest.raises(SystemExit):
@@ -334,14 +341,20 @@ def test_run_all_options():
 
 def test_full_hands_each_benchmark_its_larger_settings(monkeypatch, capsys):
     calls = []
-    for name, module in (
+    from benchmarks import communication, second_order, zero
+
+    every = (
         ("bandwidth", bandwidth),
         ("hessian", hessian_bench),
         ("optimizers", optimizers),
-    ):
+        ("communication", communication),
+        ("zero", zero),
+        ("second-order", second_order),
+    )
+    for name, module in every:
         monkeypatch.setattr(module, "main", lambda argv, name=name: calls.append((name, argv)))
     run_all.main(["--full"])
-    assert calls == [(name, run_all.FULL[name]) for name in ("bandwidth", "hessian", "optimizers")]
+    assert calls == [(name, run_all.FULL[name]) for name, _ in every]
     calls.clear()
     run_all.main(["--only", "optimizers"])
     assert calls == [("optimizers", [])]

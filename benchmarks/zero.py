@@ -1,0 +1,279 @@
+"""ZeRO's stages against DDP at world 2: training-step time and bytes held per rank.
+
+Run from the repository root (either form)::
+
+    python -m benchmarks.zero                       # the cpu profile's GPT, world 2
+    python benchmarks/zero.py --quick               # a tiny GPT, a few seconds, no file
+
+In one world of 2 processes (gloo, :func:`lsdl_lab.dist.spawn`), six data-parallel
+set-ups each train their own copy of the same float32 GPT (untied output layer:
+:func:`lsdl_lab.memory.experiments.untied_gpt`, as ZeRO's units need) with Adam on the
+rank's half of the same batch:
+
+* ``DDP``: ``DistributedDataParallel`` and ``torch.optim.Adam`` (plain data parallelism);
+* ``ZeRO-1``, ``ZeRO-2``, ``ZeRO-3``: :class:`lsdl_lab.memory.ZeroOptimizer` at that
+  stage around ``torch.optim.Adam`` (no DDP: it averages the gradients itself);
+* ``torch ZeroRedundancyOptimizer``: DDP and ``ZeroRedundancyOptimizer(Adam)``, torch's
+  stage 1 (whole parameters assigned to ranks);
+* ``torch FSDP2``: ``fully_shard`` on each transformer block and on the model, Adam on the
+  sharded parameters (stage 3, as FSDP's ``FULL_SHARD``).
+
+A training step is ``zero_grad``, forward, backward and ``step``: ZeRO moves the
+communication into the backward pass (reduce-scatter) and around the step (all-gather),
+so the step alone would not compare. The set-ups take one step each in rounds, the first
+of each round rotating, a barrier before every step (untimed); a step's time is the wall
+clock of the slower rank (a collective waits for its peer, which no CPU clock sees).
+
+Bytes per rank after a step, before ``zero_grad``: parameters, gradients and optimizer
+state this rank holds (:meth:`ZeroOptimizer.held_bytes
+<lsdl_lab.memory.ZeroOptimizer.held_bytes>` for lsdl_lab; for the others each tensor's
+local shard, each storage once). DDP's gradient buckets (a second copy of the gradients,
+which DDP all-reduces) are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.communication import world_compare  # noqa: E402
+from benchmarks.timing import (  # noqa: E402
+    add_device_options,
+    device_setup,
+    load_average,
+    log,
+    quartiles,
+    results_path,
+    write_report,
+)
+from lsdl_lab.dist import spawn  # noqa: E402
+from lsdl_lab.memory import ZeroOptimizer  # noqa: E402
+from lsdl_lab.memory.experiments import lm_loss, untied_gpt  # noqa: E402
+from lsdl_lab.scale import PROFILES  # noqa: E402
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "zero.md"
+WORLD = 2
+LR = 1e-3
+CPU = PROFILES["cpu"]
+VOCAB = 128  # the character vocabulary's order of size
+# (vocab, block, layers, heads, dim) of untied_gpt, and the global batch in sequences.
+MODELS = {
+    "cpu": ((VOCAB, CPU.block_size, CPU.gpt_layers, CPU.gpt_heads, CPU.gpt_dim), 16),
+    "tiny": ((32, 16, 1, 2, 16), 4),
+}
+SETUPS = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "torch ZeroRedundancyOptimizer", "torch FSDP2")
+CATEGORIES = ("params", "grads", "optimizer_state")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def held_bytes(model: nn.Module, state: dict) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state (``state``, nested) held on this
+    rank, local shards only, each storage once (the first category that holds it)."""
+    seen: set[int] = set()
+
+    def count(tensors) -> int:
+        total = 0
+        for t in tensors:
+            storage = local(t).untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    def tensors_in(x):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, dict):
+            for v in x.values():
+                yield from tensors_in(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                yield from tensors_in(v)
+
+    params = list(model.parameters())
+    out = {
+        "params": count(params),
+        "grads": count(p.grad for p in params if p.grad is not None),
+        "optimizer_state": count(tensors_in(dict(state))),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def make_setup(name: str, gpt_args: tuple, world_size: int):
+    """(model, optimizer, bytes()) of one set-up on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = untied_gpt(*gpt_args)
+    if name.startswith("ZeRO-"):
+        opt = ZeroOptimizer(model, torch.optim.Adam, stage=int(name[-1]), lr=LR)
+        return model, opt, opt.held_bytes
+    if name == "torch FSDP2":
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        return model, opt, lambda: held_bytes(model, opt.state)
+    ddp = DistributedDataParallel(model)
+    if name == "DDP":
+        opt = torch.optim.Adam(ddp.parameters(), lr=LR)
+        return ddp, opt, lambda: held_bytes(model, opt.state)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
+    return ddp, opt, lambda: held_bytes(model, opt.optim.state)
+
+
+def zero_worker(
+    rank: int, world_size: int, gpt_args: tuple, batch: int, repeats: int, warmup: int
+) -> dict:
+    """One rank: every set-up of :data:`SETUPS` in rounds; bytes held after a last step,
+    and the last losses (equal across set-ups at the first step: a check, not a timing)."""
+    # Stage 3's backward pre-hooks fire on the embeddings, whose inputs need no gradient.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, gpt_args[0], (batch, gpt_args[1]), generator=g)
+    y = torch.randint(0, gpt_args[0], (batch, gpt_args[1]), generator=g)
+    rows = batch // world_size
+    x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+    setups = {name: make_setup(name, gpt_args, world_size) for name in SETUPS}
+    first_loss = {}
+
+    def trainer(name):
+        model, opt, _ = setups[name]
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            first_loss.setdefault(name, loss.item())
+
+        return step
+
+    steps = {name: trainer(name) for name in SETUPS}
+    times = world_compare(steps, repeats, warmup)
+    held = {}
+    for name, step in steps.items():
+        step()
+        held[name] = setups[name][2]()
+    return {"times": times, "held": held, "first_loss": first_loss}
+
+
+@dataclass
+class Row:
+    name: str
+    ms: float
+    best_ms: float
+    ratio: tuple[float, float, float]  # time / DDP's per round: q1, median, q3
+    held: dict[str, int]
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.zero", description=__doc__)
+    parser.add_argument("--repeats", type=int, default=12, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    parser.add_argument("--quick", action="store_true", help="a tiny GPT, no file")
+    parser.add_argument("--out", type=Path, default=None, help="where the table goes")
+    add_device_options(parser)
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error(f"Invalid --repeats {args.repeats} or --warmup {args.warmup} (>= 1, >= 0)")
+    if args.device != "cpu":
+        parser.error(f"Invalid --device {args.device!r} (this benchmark runs on cpu, gloo)")
+    return parser, args
+
+
+def table(rows: list[Row], header: list[str], describe: str, n_params: int) -> str:
+    out = ["# ZeRO stages against DDP: training-step time and bytes per rank", ""] + header
+    out += [
+        "",
+        f"## {describe}",
+        "",
+        "ms: median [minimum] of the slower rank's wall-clock time of one training step "
+        "(zero_grad, forward, backward, step), after a barrier. × DDP: per-round ratio "
+        "against DDP's step, median [IQR]. Bytes: held by rank 0 after a step (parameters, "
+        "gradients, Adam's state), float32; B/param: per parameter of the model.",
+        "",
+        "| set-up | step ms | × DDP [IQR] | params MB | grads MB | optimizer state MB "
+        "| total MB | optimizer state B/param | total B/param |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        q1, med, q3 = r.ratio
+        mb = {k: r.held[k] / 1e6 for k in (*CATEGORIES, "total")}
+        out.append(
+            f"| {r.name} | {r.ms:.1f} [{r.best_ms:.1f}] | {med:.2f} [{q1:.2f}–{q3:.2f}] "
+            f"| {mb['params']:.2f} | {mb['grads']:.2f} | {mb['optimizer_state']:.2f} "
+            f"| {mb['total']:.2f} | {r.held['optimizer_state'] / n_params:.2f} "
+            f"| {r.held['total'] / n_params:.2f} |"
+        )
+    out += ["", f"- load average at the end: {load_average()}", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser, args = parse_args(argv)
+    size = "tiny" if args.quick else "cpu"
+    if args.quick:
+        args.repeats, args.warmup = 3, 1
+    device, timer, header = device_setup(parser, args)
+    gpt_args, batch = MODELS[size]
+    n_params = sum(p.numel() for p in untied_gpt(*gpt_args).parameters())
+    # The worker by its module's real name (run as a script, this module is __main__).
+    from benchmarks.zero import zero_worker as worker
+
+    per_rank = spawn(worker, WORLD, gpt_args, batch, args.repeats, args.warmup, timeout=600)
+    result = per_rank[0]
+    losses = result["first_loss"]
+    if max(losses.values()) - min(losses.values()) > 1e-4 * abs(losses["DDP"]):
+        raise AssertionError(f"the set-ups' first losses differ: {losses}")
+    times = result["times"]
+    rows = []
+    for name in SETUPS:
+        ratio = quartiles([a / b for a, b in zip(times[name], times["DDP"], strict=True)])
+        rows.append(
+            Row(
+                name,
+                1e3 * statistics.median(times[name]),
+                1e3 * min(times[name]),
+                ratio,
+                result["held"][name],
+            )
+        )
+        log(f"  {name:<30} {rows[-1].ms:8.1f} ms  x DDP {ratio[1]:.2f}  {rows[-1].held}")
+    vocab, block, layers, heads, dim = gpt_args
+    describe = (
+        f"GPT (untied), {layers} layers, dim {dim}, {heads} heads, vocab {vocab}, block "
+        f"{block}: {n_params:,} parameters; world {WORLD} (gloo), global batch {batch} "
+        f"sequences ({batch // WORLD} per rank), Adam"
+    )
+    header = header[:-1] + [
+        "- clock: wall clock of the slower rank (communication waits count)",
+        f"- timing: {args.warmup} untimed rounds, then {args.repeats} rounds of one step each",
+    ]
+    text = table(rows, header, describe, n_params)
+    out = args.out or (None if args.quick else results_path(DEFAULT_OUT, device))
+    write_report(text, out, log)
+    return text
+
+
+if __name__ == "__main__":
+    main()

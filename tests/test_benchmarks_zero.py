@@ -1,0 +1,69 @@
+"""benchmarks/zero.py: bytes held per rank, counted as each set-up holds them, and a quick
+run in a world of two (a tiny GPT) whose table shows each stage's partition."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import __main__ as run_all  # noqa: E402
+from benchmarks import zero  # noqa: E402
+
+
+def test_held_bytes_of_a_model_and_adam_count_each_storage_once():
+    model = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3))
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    opt = torch.optim.Adam(params)
+    assert zero.held_bytes(model, opt.state) == {
+        "params": 4 * n,
+        "grads": 0,
+        "optimizer_state": 0,
+        "total": 4 * n,
+    }
+    model(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    held = zero.held_bytes(model, opt.state)
+    # Two float32 moments, and torch's 0-d float32 step per parameter tensor.
+    assert held["grads"] == 4 * n and held["optimizer_state"] == 8 * n + 4 * len(params)
+    opt.state[params[0]]["alias"] = params[0].grad[:1]  # a view of a gradient: counted there
+    assert zero.held_bytes(model, opt.state) == held
+
+
+def columns(text: str, name: str) -> list[str]:
+    (line,) = [row for row in text.splitlines() if row.startswith(f"| {name} |")]
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_quick_run_partitions_as_each_stage_says(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(zero, "DEFAULT_OUT", tmp_path / "zero.md")
+    text = zero.main(["--quick"])
+    assert not (tmp_path / "zero.md").exists()
+    state, total = {}, {}
+    for name in zero.SETUPS:
+        cells = columns(text, name)
+        state[name], total[name] = float(cells[-2]), float(cells[-1])
+    assert total["DDP"] == pytest.approx(16.0, abs=0.1)  # params, grads, two moments: 4 each
+    for name in zero.SETUPS[1:]:  # every other set-up halves Adam's state on 2 ranks
+        assert state[name] == pytest.approx(4.0, abs=0.1), name
+    assert total["ZeRO-1"] == pytest.approx(12.0, abs=0.1)  # whole params and grads
+    assert total["ZeRO-2"] == pytest.approx(10.0, abs=0.1)  # half the grads too
+    assert total["ZeRO-3"] == pytest.approx(8.0, abs=0.1)  # everything halved
+    assert total["torch FSDP2"] == pytest.approx(8.0, abs=0.1)
+
+
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--warmup", "-1"], ["--device", "cuda"]])
+def test_bad_options(argv, capsys):
+    with pytest.raises(SystemExit):
+        zero.parse_args(argv)
+
+
+def test_the_full_run_options_are_accepted():
+    _, args = zero.parse_args(run_all.FULL["zero"])
+    assert not args.quick and args.out is None
