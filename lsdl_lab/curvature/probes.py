@@ -127,7 +127,8 @@ def top_eigenvalues(
     :math:`\theta_i`, and within its square over the gap; Parlett, 1998, Sec. 11.7), or for
     ``iters`` products. Its error shrinks like :math:`\exp(-2t\sqrt{\gamma})` with the relative
     gap :math:`\gamma` (Kaniel-Paige-Saad), all k at once. It finds one copy of a repeated
-    eigenvalue.
+    eigenvalue. Memory: one vector of ``A.dim`` entries per step taken (the basis it
+    reorthogonalizes against), where power iteration keeps k.
 
     ``method="power"``: power iteration with deflation, as PyHessian: repeat
     :math:`v \leftarrow Av/\|Av\|` (orthogonal to the eigenvectors already found) until the
