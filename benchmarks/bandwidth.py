@@ -87,6 +87,10 @@ def minimum_traffic(name: str, kwargs: dict | None = None) -> tuple[int, int]:
     then the momentum step
     LAMB: pass 1 moments and ||p|| ||u||,  p g m v, then p m v    m v, then p 10     40
     then p -= lr tau u (u recomputed)
+    Adafactor (factored v, relative step,  p g, then g, then p g  p           6      24
+    update clipping): pass 1 RMS(p) and
+    the row/column sums of g^2, pass 2
+    RMS(u), pass 3 the step (+ beta1: m)
     ====================================  =====================  ===========  =====  ==========
 
     LARS without momentum (``momentum=0``) drops ``b``: 2 + 3 = 5 words. Raises
@@ -111,7 +115,10 @@ def minimum_traffic(name: str, kwargs: dict | None = None) -> tuple[int, int]:
         return 2 + (2 + b), 1 + b
     if name == "LAMB":
         return 4 + 3, 2 + 1
-    known = sorted([*one_pass_state, "LARS", "LAMB"])
+    if name == "Adafactor":  # the factored statistics are O(n + m): not counted
+        m = int(kwargs.get("beta1") is not None)
+        return 2 + 1 + (2 + m), 1 + m
+    known = sorted([*one_pass_state, "LARS", "LAMB", "Adafactor"])
     raise ValueError(f"Invalid optimizer: {name!r} (no byte count; expected one of {known})")
 
 
