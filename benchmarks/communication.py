@@ -67,20 +67,42 @@ def world_compare(
     repeats: int,
     warmup: int,
     setup: Callable[[], object] | None = None,
+    cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """:func:`benchmarks.timing.compare` on every rank of the world at once (each must call
     it with the same functions), a barrier before every call, untimed; the seconds of each
-    call on the slowest rank, by name, in call order."""
+    call on the slowest rank, by name, in call order. When ``cpu`` is given, it receives
+    the same for the CPU time of the whole process (every thread: gloo's too), which
+    leaves out the moments a rank waits for its peer or for a core held by another job."""
+    spent: dict[str, list[float]] = {name: [] for name in fns}
 
     def before():
         if setup is not None:
             setup()
         dist.barrier()
 
-    result = compare(fns, repeats, warmup, setup=before, timer=time.perf_counter)
-    times = torch.tensor([result.times[name] for name in fns], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {name: row.tolist() for name, row in zip(fns, times)}
+    def timed(name, fn):
+        def call():
+            c0 = time.process_time()
+            fn()
+            spent[name].append(time.process_time() - c0)
+
+        return call
+
+    result = compare(
+        {name: timed(name, fn) for name, fn in fns.items()},
+        repeats,
+        warmup,
+        setup=before,
+        timer=time.perf_counter,
+    )
+    wall = torch.tensor([result.times[name] for name in fns], dtype=torch.float64)
+    work = torch.tensor([spent[name][warmup:] for name in fns], dtype=torch.float64)
+    both = torch.stack([wall, work])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if cpu is not None:
+        cpu.update({name: row.tolist() for name, row in zip(fns, both[1])})
+    return {name: row.tolist() for name, row in zip(fns, both[0])}
 
 
 ALL_REDUCES = {

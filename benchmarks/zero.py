@@ -169,12 +169,13 @@ def zero_worker(
         return step
 
     steps = {name: trainer(name) for name in SETUPS}
-    times = world_compare(steps, repeats, warmup)
+    cpu: dict[str, list[float]] = {}
+    times = world_compare(steps, repeats, warmup, cpu=cpu)
     held = {}
     for name, step in steps.items():
         step()
         held[name] = setups[name][2]()
-    return {"times": times, "held": held, "first_loss": first_loss}
+    return {"times": times, "cpu": cpu, "held": held, "first_loss": first_loss}
 
 
 @dataclass
@@ -184,6 +185,8 @@ class Row:
     best_ms: float
     ratio: tuple[float, float, float]  # time / DDP's per round: q1, median, q3
     held: dict[str, int]
+    cpu_ms: float = float("nan")  # the process's CPU time
+    cpu_ratio: tuple[float, float, float] = (float("nan"),) * 3
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -208,19 +211,22 @@ def table(rows: list[Row], header: list[str], describe: str, n_params: int) -> s
         f"## {describe}",
         "",
         "ms: median [minimum] of the slower rank's wall-clock time of one training step "
-        "(zero_grad, forward, backward, step), after a barrier. × DDP: per-round ratio "
+        "(zero_grad, forward, backward, step), after a barrier. CPU ms: the same step's "
+        "CPU time of the whole rank process (all threads, gloo's included; waits for the "
+        "peer or for a core not counted), slower rank. × DDP: per-round ratio "
         "against DDP's step, median [IQR]. Bytes: held by rank 0 after a step (parameters, "
         "gradients, Adam's state), float32; B/param: per parameter of the model.",
         "",
-        "| set-up | step ms | × DDP [IQR] | params MB | grads MB | optimizer state MB "
-        "| total MB | optimizer state B/param | total B/param |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| set-up | step ms | × DDP [IQR] | CPU ms | × DDP, CPU [IQR] | params MB | grads MB "
+        "| optimizer state MB | total MB | optimizer state B/param | total B/param |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         q1, med, q3 = r.ratio
         mb = {k: r.held[k] / 1e6 for k in (*CATEGORIES, "total")}
         out.append(
             f"| {r.name} | {r.ms:.1f} [{r.best_ms:.1f}] | {med:.2f} [{q1:.2f}–{q3:.2f}] "
+            f"| {r.cpu_ms:.1f} | {r.cpu_ratio[1]:.2f} [{r.cpu_ratio[0]:.2f}–{r.cpu_ratio[2]:.2f}] "
             f"| {mb['params']:.2f} | {mb['grads']:.2f} | {mb['optimizer_state']:.2f} "
             f"| {mb['total']:.2f} | {r.held['optimizer_state'] / n_params:.2f} "
             f"| {r.held['total'] / n_params:.2f} |"
@@ -245,7 +251,7 @@ def main(argv: list[str] | None = None) -> str:
     losses = result["first_loss"]
     if max(losses.values()) - min(losses.values()) > 1e-4 * abs(losses["DDP"]):
         raise AssertionError(f"the set-ups' first losses differ: {losses}")
-    times = result["times"]
+    times, cpu = result["times"], result["cpu"]
     rows = []
     for name in SETUPS:
         ratio = quartiles([a / b for a, b in zip(times[name], times["DDP"], strict=True)])
@@ -256,9 +262,14 @@ def main(argv: list[str] | None = None) -> str:
                 1e3 * min(times[name]),
                 ratio,
                 result["held"][name],
+                1e3 * statistics.median(cpu[name]),
+                quartiles([a / b for a, b in zip(cpu[name], cpu["DDP"], strict=True)]),
             )
         )
-        log(f"  {name:<30} {rows[-1].ms:8.1f} ms  x DDP {ratio[1]:.2f}  {rows[-1].held}")
+        log(
+            f"  {name:<30} {rows[-1].ms:8.1f} ms  x DDP {ratio[1]:.2f}  CPU "
+            f"{rows[-1].cpu_ms:8.1f} ms  x DDP {rows[-1].cpu_ratio[1]:.2f}  {rows[-1].held}"
+        )
     vocab, block, layers, heads, dim = gpt_args
     describe = (
         f"GPT (untied), {layers} layers, dim {dim}, {heads} heads, vocab {vocab}, block "
@@ -266,7 +277,8 @@ def main(argv: list[str] | None = None) -> str:
         f"sequences ({batch // WORLD} per rank), Adam"
     )
     header = header[:-1] + [
-        "- clock: wall clock of the slower rank (communication waits count)",
+        "- clock: wall clock of the slower rank (communication waits count), and the CPU "
+        "time of the rank's process",
         f"- timing: {args.warmup} untimed rounds, then {args.repeats} rounds of one step each",
     ]
     text = table(rows, header, describe, n_params)
