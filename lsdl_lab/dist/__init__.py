@@ -10,6 +10,9 @@
   all-reduce, measured and fitted on the world at hand.
 * :mod:`~lsdl_lab.dist.param_server`: push and pull over point-to-point; synchronous and
   asynchronous SGD with bounded staleness.
+* :mod:`~lsdl_lab.dist.local_sgd`: communicating less often: gradient accumulation with
+  ``no_sync``, local SGD and post-local SGD, overlap of communication with the backward pass.
+* :mod:`~lsdl_lab.dist.experiments`: the importable workers that Chapter 7 and Lab 7 spawn.
 """
 
 from .collectives import (
@@ -27,6 +30,14 @@ from .cost import (
     ring_all_reduce_time,
     tree_all_reduce_time,
 )
+from .local_sgd import (
+    PeriodicAverager,
+    accumulate_gradients,
+    all_reduce_gradients,
+    average_parameters,
+    overlap_times,
+    post_local_sgd,
+)
 from .param_server import all_reduce_sgd, asynchronous_sgd, pull, push, synchronous_sgd
 from .world import (
     WorkerError,
@@ -41,6 +52,12 @@ from .world import (
 
 __all__ = [
     "AlphaBeta",
+    "PeriodicAverager",
+    "accumulate_gradients",
+    "all_reduce_gradients",
+    "average_parameters",
+    "overlap_times",
+    "post_local_sgd",
     "all_reduce_sgd",
     "asynchronous_sgd",
     "fit_alpha_beta",
