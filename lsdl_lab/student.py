@@ -14,7 +14,17 @@ From the command line::
 
     lsdl-student labs/*.ipynb -o student/     # write student/<same name>.ipynb
     lsdl-student --check labs/*.ipynb         # exit 1 if a marker is malformed
+    lsdl-student --nbgrader labs/*.ipynb      # write nbgrader's cell metadata in place
+    lsdl-student --nbgrader --check labs/*.ipynb  # exit 1 if that metadata is out of date
     python -m lsdl_lab.student ...            # the same, without the console script
+
+nbgrader (https://nbgrader.readthedocs.io) needs more than the markers: each cell holding a
+solution is a *solution cell*, and the cell right after a code exercise, which calls its
+checker, is an autograded *test cell* worth points. :func:`nbgrader_metadata` derives that
+metadata from the markers, with a grade id made of the lab's and the exercise's names
+(``lab03-momentum_step``, ``lab03-momentum_step-check``) so it survives edits elsewhere in
+the notebook; ``--nbgrader`` writes it, and changes nothing but cells' ``nbgrader``
+metadata. A Markdown solution becomes a manually graded answer, as nbgrader requires.
 
 Unlike nbgrader, a marker must stand alone on its line, and any other line that
 mentions one (``# BEGIN SOLUTION``, ``x = 1  ### END SOLUTION``) is an error rather
@@ -32,7 +42,14 @@ from typing import NamedTuple
 
 import nbformat
 
-__all__ = ["Solution", "find_solutions", "main", "make_student_version"]
+__all__ = [
+    "Solution",
+    "find_solutions",
+    "main",
+    "make_student_version",
+    "nbgrader_metadata",
+    "write_nbgrader_metadata",
+]
 
 PLACEHOLDER = 'raise NotImplementedError("Exercise: write your solution here")'
 
@@ -99,6 +116,90 @@ def make_student_version(src_path: str | Path, dst_path: str | Path) -> int:
     return removed
 
 
+def nbgrader_metadata(
+    nb: nbformat.NotebookNode | str | Path, lab: str | None = None
+) -> list[dict | None]:
+    """The ``nbgrader`` metadata each cell of a notebook should carry (None: none at all).
+
+    ``lab`` names the grade ids; by default the ``labNN`` that begins the file's name (or
+    the whole stem). Points already on a checker cell are kept (an instructor may weigh
+    exercises), else it is worth 1. Raises ValueError, naming the cell, for a code exercise
+    with no checker cell right after it, one that defines no function or class to name it
+    by, or two exercises of the same name."""
+    if isinstance(nb, (str, Path)):
+        where = str(nb)
+        stem = Path(nb).stem
+        nb = _read(nb)
+        if lab is None:
+            found = re.match(r"lab\d+[a-z]?(?=_|$)", stem)
+            lab = found.group(0) if found else stem
+    else:
+        where = "notebook"
+    if lab is None:
+        raise ValueError("lab is required when nb is a notebook rather than a path")
+    solution_cells = {s.cell for s in find_solutions(nb)}
+    wanted: list[dict | None] = [None] * len(nb.cells)
+    for index in sorted(solution_cells):
+        cell = nb.cells[index]
+        base = {"schema_version": 3, "locked": False, "solution": True}
+        if cell.cell_type == "markdown":
+            name = f"{lab}-answer-{cell.get('id') or index}"
+            points = cell.metadata.get("nbgrader", {}).get("points", 1)
+            wanted[index] = {**base, "grade": True, "grade_id": name, "points": points}
+            continue
+        named = re.search(r"^(?:async\s+)?(?:def|class)\s+(\w+)", cell.source, re.MULTILINE)
+        if named is None:
+            raise ValueError(
+                f"{where}, cell {index}: the exercise defines no function or class, so it "
+                "has no name for its grade id"
+            )
+        name = f"{lab}-{named.group(1)}"
+        following = index + 1
+        if (
+            following >= len(nb.cells)
+            or nb.cells[following].cell_type != "code"
+            or following in solution_cells
+        ):
+            raise ValueError(
+                f"{where}, cell {index}: exercise {named.group(1)!r} needs its checker in "
+                "the code cell right after it (an autograded test cell for nbgrader)"
+            )
+        points = nb.cells[following].metadata.get("nbgrader", {}).get("points", 1)
+        wanted[index] = {**base, "grade": False, "grade_id": name}
+        wanted[following] = {
+            "schema_version": 3,
+            "locked": True,
+            "solution": False,
+            "grade": True,
+            "grade_id": f"{name}-check",
+            "points": points,
+        }
+    ids = [meta["grade_id"] for meta in wanted if meta is not None]
+    repeated = sorted({grade_id for grade_id in ids if ids.count(grade_id) > 1})
+    if repeated:
+        raise ValueError(f"{where}: two exercises share the grade id(s) {repeated}")
+    return wanted
+
+
+def write_nbgrader_metadata(path: str | Path, *, check: bool = False) -> bool:
+    """Give every cell of the notebook at ``path`` the metadata :func:`nbgrader_metadata`
+    asks for, in one read and one write, touching nothing else; return whether it was
+    out of date. With ``check``, only say so and write nothing."""
+    nb = _read(path)
+    wanted = nbgrader_metadata(path)
+    stale = False
+    for cell, meta in zip(nb.cells, wanted, strict=True):
+        if cell.metadata.get("nbgrader") != meta:
+            stale = True
+            if meta is None:
+                del cell.metadata["nbgrader"]
+            else:
+                cell.metadata["nbgrader"] = meta
+    if stale and not check:
+        nbformat.write(nb, path)
+    return stale
+
+
 def _read(path: str | Path) -> nbformat.NotebookNode:
     return nbformat.read(path, as_version=nbformat.NO_CONVERT)
 
@@ -144,10 +245,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("notebooks", nargs="+", type=Path, help="lab notebooks (.ipynb)")
     parser.add_argument("-o", "--output-dir", type=Path, help="where to write them")
     parser.add_argument(
-        "--check", action="store_true", help="only check the markers; exit 1 if malformed"
+        "--check",
+        action="store_true",
+        help="only check the markers (and with --nbgrader, the metadata); exit 1 if not right",
+    )
+    parser.add_argument(
+        "--nbgrader",
+        action="store_true",
+        help="write nbgrader's cell metadata into the notebooks themselves, from the markers",
     )
     args = parser.parse_args(argv)
-    if not args.check:
+    if args.nbgrader and args.output_dir is not None:
+        parser.error("--nbgrader edits the notebooks in place; it takes no -o")
+    if not args.check and not args.nbgrader:
         if args.output_dir is None:
             parser.error("the output directory (-o) is required unless --check is given")
         names = [path.name for path in args.notebooks]
@@ -158,7 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = 0
     for path in args.notebooks:
         try:
-            if args.check:
+            if args.nbgrader:
+                failed += _nbgrader_command(path, args.check)
+            elif args.check:
                 print(f"{path}: {len(find_solutions(path))} solution(s), markers well formed")
             else:
                 dst = args.output_dir / path.name
@@ -168,6 +280,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"lsdl-student: error: {exc}", file=sys.stderr)
             failed += 1
     return 1 if failed else 0
+
+
+def _nbgrader_command(path: Path, check: bool) -> int:
+    """Write (or with ``check``, check) one notebook's nbgrader metadata; 1 if it failed."""
+    stale = write_nbgrader_metadata(path, check=check)
+    if check and stale:
+        print(
+            f"lsdl-student: error: {path}: nbgrader metadata out of date with the markers; "
+            "run lsdl-student --nbgrader on it",
+            file=sys.stderr,
+        )
+        return 1
+    state = "updated" if stale else "already up to date"
+    print(f"{path}: nbgrader metadata {state if not check else 'up to date'}")
+    return 0
 
 
 if __name__ == "__main__":
