@@ -102,6 +102,16 @@ def _matches(student, reference, args) -> bool:
     )
 
 
+def _check(student_fn, reference, cases, name, slips, rtol, atol) -> None:
+    """check_function, and on a failure the hints of the slips the student's function
+    matches: ``slips`` holds (slip, case, hint) triples."""
+    try:
+        check_function(student_fn, reference, cases, name=name, rtol=rtol, atol=atol)
+    except CheckFailed as failure:
+        hints = [hint for slip, case, hint in slips if _matches(student_fn, slip, case)]
+        raise _hinted(failure, hints) from None
+
+
 def _cg_start(A: Tensor, b: Tensor, iterations: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(A, x_k, r_k, p_k) after ``iterations`` reference steps from x = 0."""
     x, r, p = torch.zeros_like(b), b.clone(), b.clone()
@@ -144,24 +154,13 @@ def check_cg_step(student_fn) -> None:
             1,
         ),  # fmt: skip
     ]
-    try:
-        check_function(student_fn, cg_step, cases, name="cg_step", rtol=1e-7, atol=1e-9)
-    except CheckFailed as failure:
-        later = cases[1]
-        hints = [
-            hint
-            for slip, hint in (
-                (_cg_slip_old_beta, "beta is (r'ᵀr') / (rᵀr): the NEW residual over the OLD one"),
-                (
-                    _cg_slip_steepest,
-                    "the new direction keeps beta p: p' = r' + beta p (without "
-                    "it, this is steepest descent, not CG)",
-                ),
-                (_cg_slip_alpha, "alpha = (rᵀr) / (pᵀAp): the curvature along p, not along r"),
-            )
-            if _matches(student_fn, slip, later)
-        ]
-        raise _hinted(failure, hints) from None
+    later = cases[1]
+    _check(student_fn, cg_step, cases, "cg_step", [
+        (_cg_slip_old_beta, later, "beta is (r'ᵀr') / (rᵀr): the NEW residual over the OLD one"),
+        (_cg_slip_steepest, later, "the new direction keeps beta p: p' = r' + beta p (without "
+         "it, this is steepest descent, not CG)"),
+        (_cg_slip_alpha, later, "alpha = (rᵀr) / (pᵀAp): the curvature along p, not along r"),
+    ], rtol=1e-7, atol=1e-9)  # fmt: skip
     # n steps of the student's CG solve an n x n system (exact arithmetic; float64 here).
     A, b = _spd(8, 50.0, 4), _vector(8, 5)
     x, r, p = torch.zeros_like(b), b.clone(), b.clone()
@@ -197,28 +196,14 @@ def check_kron_solve(student_fn) -> None:
             _matrix(2, 3, 9),
         ),  # fmt: skip
     ]
-    try:
-        check_function(student_fn, kron_solve, cases, name="kron_solve", rtol=1e-6, atol=1e-9)
-    except CheckFailed as failure:
-        square = cases[2]
-        hints = [
-            hint
-            for slip, hint in (
-                (
-                    _kron_slip_swapped,
-                    "the factors are swapped: G (m x m) acts on V's rows, "
-                    "A (n x n) on its columns: G^{-1} V A^{-1}",
-                ),
-                (
-                    _kron_slip_inverse_missing,
-                    "that is (A ⊗ G) vec(V), the product; the "
-                    "solve needs the inverses (torch.linalg.solve, not @)",
-                ),
-                (_kron_slip_one_side, "both factors must be inverted: G^{-1} V A^{-1}"),
-            )
-            if _matches(student_fn, slip, square)
-        ]
-        raise _hinted(failure, hints) from None
+    square = cases[2]
+    _check(student_fn, kron_solve, cases, "kron_solve", [
+        (_kron_slip_swapped, square, "the factors are swapped: G (m x m) acts on V's rows, "
+         "A (n x n) on its columns: G^{-1} V A^{-1}"),
+        (_kron_slip_inverse_missing, square, "that is (A ⊗ G) vec(V), the product; the "
+         "solve needs the inverses (torch.linalg.solve, not @)"),
+        (_kron_slip_one_side, square, "both factors must be inverted: G^{-1} V A^{-1}"),
+    ], rtol=1e-6, atol=1e-9)  # fmt: skip
     # The identity itself: against the dense (A ⊗ G)^{-1} vec(V), vec stacking columns.
     A, G, V = cases[1]
     dense = torch.linalg.solve(torch.kron(A, G), V.mT.reshape(-1))
@@ -251,30 +236,13 @@ def check_inverse_root(student_fn) -> None:
         (rank_two, 0.25, 1e-6),  # singular: the floor keeps it finite
         (_spd(4, 100.0, 4, torch.float32), 0.25, 1e-6),  # float32 in, float32 out
     ]
-    try:
-        check_function(student_fn, inverse_root, cases, name="inverse_root", rtol=1e-5,
-                       atol=1e-6)  # fmt: skip
-    except CheckFailed as failure:
-        hints = [
-            hint
-            for slip, case, hint in (
-                (
-                    _root_slip_elementwise,
-                    cases[0],
-                    "H ** -p raises each ENTRY to a power; the "
-                    "matrix power acts on the eigenvalues: Q diag(λ^-p) Qᵀ",
-                ),
-                (
-                    _root_slip_no_floor,
-                    cases[3],
-                    "floor the eigenvalues at epsilon before the "
-                    "power: a singular H has eigenvalues 0 (or -1e-16 by rounding)",
-                ),
-                (_root_slip_sign, cases[0], "the exponent is -p: an INVERSE root"),
-            )
-            if _matches(student_fn, slip, case)
-        ]
-        raise _hinted(failure, hints) from None
+    _check(student_fn, inverse_root, cases, "inverse_root", [
+        (_root_slip_elementwise, cases[0], "H ** -p raises each ENTRY to a power; the "
+         "matrix power acts on the eigenvalues: Q diag(λ^-p) Qᵀ"),
+        (_root_slip_no_floor, cases[3], "floor the eigenvalues at epsilon before the "
+         "power: a singular H has eigenvalues 0 (or -1e-16 by rounding)"),
+        (_root_slip_sign, cases[0], "the exponent is -p: an INVERSE root"),
+    ], rtol=1e-5, atol=1e-6)  # fmt: skip
     H = _spd(5, 1e3, 5)
     R = student_fn(H, 0.25, 1e-12)
     four = torch.linalg.matrix_power(R, 4) @ H
