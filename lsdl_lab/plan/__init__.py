@@ -19,7 +19,7 @@ micro-batches in flight, each holding its blocks' activations by Korthikanti et 
 the blocks (embedding dropout, final LayerNorm, float32 logits) are counted once. Buffers,
 temporaries and fragmentation are not counted: :class:`Cluster` keeps a ``reserve``
 fraction of each device's memory for them. The calculator takes no pipeline degree, so
-this module builds the stage's shape (``layers = ceil(layers / pp)``) and scales the
+this package builds the stage's shape (``layers = ceil(layers / pp)``) and scales the
 per-layer activations itself.
 
 **Compute**: the FLOPs of Narayanan et al. (2021, Section 5.1, eq. 3): per token a
@@ -51,6 +51,17 @@ all-reduce after the backward pass and the tensor-parallel ones on the critical 
   its gradient partition, so it reduce-scatters each micro-batch and all-gathers the
   updated weights once; ZeRO 3 also all-gathers the weights in each micro-batch's forward
   and backward passes (its 1.5x volume per micro-batch).
+
+Ranks are placed as Megatron-LM places them: tensor-parallel ranks adjacent, then
+data-parallel, then pipeline stages, so a group stays on NVLink while it fits in a node.
+
+**Not modelled**: sequence and context parallelism, the interleaved 1F1B schedule (its v
+virtual stages divide the bubble by v), grouped-query attention and gated MLPs (the shape
+is the book's GPT), any overlap of communication with compute, and the faster kernels of
+larger micro-batches. **Validated on paper** (``tests/plan/test_search.py``, sources cited
+there): Megatron-LM's Table 1 rows of 146B-1T parameters (the published layout first or
+second; throughput 0.81-0.89 of the published), BLOOM-176B (first; 0.84), Llama 3 405B
+(third; 0.44: outside 2x, as the interleaved schedule it runs is not modelled).
 
 Modules: :mod:`~lsdl_lab.plan.inputs` (:class:`Model`, :class:`Cluster`,
 :class:`Techniques`), :mod:`~lsdl_lab.plan.estimate` (FLOPs, bytes, communication of one

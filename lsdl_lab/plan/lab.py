@@ -55,8 +55,8 @@ def plan_lab(
 ) -> list[Config]:
     """:func:`plan` for the lab's world (``devices`` processes on one CPU, gloo) from a
     measured alpha-beta ``link`` and FLOP rate, in float32 by default (the lab's
-    precision). Checked here on given alpha and beta; the check against a measured run
-    at world 2 is Chapter 9's."""
+    precision). Tested on given alpha and beta (``tests/plan/test_lab.py``); its estimate
+    is not yet checked against a measured run at world 2 (Chapter 9's table will)."""
     techniques = techniques or Techniques(precision="fp32")
     cluster = lab_cluster(link, devices=devices, memory=memory, peak_flops=peak_flops)
     return plan(model, cluster, techniques)
