@@ -34,7 +34,7 @@ def _validate(model, cluster, techniques, published, tflops, count="full"):
 # https://github.com/huggingface/Megatron-LM); the heads, hidden sizes and layers of each
 # row (public Megatron-LM tutorials tabulate them; the parameter counts they give match the
 # table's to 0.2%, asserted below); 1T parameters at 502 petaFLOP/s on 3072 GPUs = 163
-# TFLOP/s per GPU (https://redlib.fmhy.net/r/mlscaling, the paper's abstract). The other
+# TFLOP/s per GPU (the paper's abstract, https://huggingface.co/papers/2104.04473). The other
 # rows' pp, GPUs, batch and TFLOP/s are the paper's Table 1 as we read it, not re-checked
 # (the table is an image in the pages the search reached).
 MEGATRON_ROWS = [
