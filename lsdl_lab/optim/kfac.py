@@ -17,9 +17,12 @@ positions (Grosse and Martens, 2016): :math:`A` averages over examples and posit
 curvlinops' ``KFACLinearOperator`` ("expand", Eschenhagen et al., 2023), which the tests
 check factor for factor. Both are exponential moving averages over steps (``factor_decay``),
 captured by hooks: a forward hook stores :math:`a`, and the gradient reaching the layer's
-output gives :math:`g`. The loss is taken to be a *mean* over the batch of size
-:math:`N` (``F.cross_entropy``'s default), so the gradient each hook sees is scaled back
-by :math:`N` to a per-example gradient.
+output gives :math:`g`. The loss is taken to be a *mean* over its :math:`N` terms
+(``F.cross_entropy``'s default), so the gradient each hook sees is scaled back by
+:math:`N` to a per-term gradient. :math:`N` is the number of rows of the model's output
+``(..., C)``: the examples of a classifier, the :math:`B T` tokens of a language model
+(each token a term of the loss, as in curvlinops' "expand" setting) — not the layer's
+batch dimension, which for a sequence model would leave :math:`G` off by :math:`T^2`.
 
 **Which Fisher.** ``fisher="true"`` (the default) is the Fisher proper: :math:`y` is
 *sampled* from the model's predictive distribution (a categorical over the last dimension
@@ -89,7 +92,7 @@ class Layer:
 
     def __init__(self, module: nn.Module, bias: bool):
         self.module, self.bias = module, bias
-        self.batch = 0  # N, the batch the loss is a mean over
+        self.batch = 0  # N, the number of terms the loss is a mean over
         self.a: Tensor | None = None  # the last input
         self.output: Tensor | None = None  # the last output, for the sampled backward
         self.g: Tensor | None = None  # the loss's gradient at the last output
@@ -234,6 +237,11 @@ class KFAC(Optimizer):
     def _keep_output(self, module, inputs, output):
         if module.training and torch.is_grad_enabled():
             self._output = output
+            # the loss averages over the rows of the output: examples, or tokens
+            terms = output.numel() // output.shape[-1] if output.dim() > 1 else output.numel()
+            for layer in self.layers.values():
+                if layer.a is not None:
+                    layer.batch = terms
 
     def backward(self, loss: Tensor) -> None:
         """``loss.backward()``, preceded for ``fisher="true"`` by the backward of the loss of

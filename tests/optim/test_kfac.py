@@ -7,6 +7,7 @@ test_contract.py."""
 
 from __future__ import annotations
 
+import copy
 import io
 import re
 
@@ -111,6 +112,43 @@ def test_factors_equal_curvlinops_kfac(which, fisher):
         dense = torch.linalg.solve(K, M.reshape(-1)).reshape(M.shape)
         torch.testing.assert_close(weight.grad.reshape(len(w), -1), dense[:, :-1])
         torch.testing.assert_close(opt.layers[weight].module.bias.grad, dense[:, -1])
+
+
+class SequenceModel(nn.Module):
+    """A token-wise MLP on (B, T, H) inputs with (B, T, C) logits: a language model's head."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "true"])
+def test_a_sequence_models_factors_count_every_token_as_a_term_of_the_loss(fisher):
+    # The loss of a language model is a mean over B*T tokens. K-FAC on (B, T, H) inputs
+    # must give the factors of the same tokens seen as B*T examples of (N, H) inputs;
+    # normalizing by the batch dimension B instead would leave G off by T^2.
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4)).double()
+    x = torch.randn(3, 6, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (3, 6))
+    seq, flat = SequenceModel(net), SequenceModel(copy.deepcopy(net))
+
+    def factors(model, inputs, targets):
+        opt = KFAC(model, lr=1.0, momentum=0.0, kl_clip=None, seed=0, fisher=fisher)
+        opt.zero_grad()
+        out = model(inputs)
+        opt.backward(F.cross_entropy(out.reshape(-1, 4), targets.reshape(-1)))
+        opt.step()
+        return [(opt.state[m.weight]["A"], opt.state[m.weight]["G"]) for m in model.net[::2]]
+
+    by_sequence = factors(seq, x, y)
+    by_token = factors(flat, x.reshape(-1, 5), y.reshape(-1))
+    for (A, G), (A_ref, G_ref) in zip(by_sequence, by_token):
+        torch.testing.assert_close(A, A_ref)
+        torch.testing.assert_close(G, G_ref)
 
 
 def test_true_fisher_factors_average_to_the_exact_expectation():
