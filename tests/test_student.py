@@ -4,6 +4,7 @@ real lab, its malformed markers, the command line, and running the result."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -15,7 +16,15 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from lsdl_lab.student import PLACEHOLDER, Solution, find_solutions, main, make_student_version
+from lsdl_lab.student import (
+    PLACEHOLDER,
+    Solution,
+    find_solutions,
+    main,
+    make_student_version,
+    nbgrader_metadata,
+    write_nbgrader_metadata,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = sorted((ROOT / "labs").glob("*.ipynb"))
@@ -333,3 +342,122 @@ def test_lab_student_version_stops_at_the_first_exercise(path, tmp_path):
         f"cell {cell} failed before the first exercise: {ename}: {evalue}"
     )
     assert ename == "NotImplementedError", f"cell {cell}: {ename}: {evalue}"
+
+
+# --- nbgrader's cell metadata -------------------------------------------------------------------
+
+
+def graded_notebook() -> nbformat.NotebookNode:
+    """A lab as nbgrader wants it: each code exercise followed by its checker cell."""
+    nb = new_notebook(
+        cells=[
+            new_markdown_cell(MARKDOWN),
+            new_code_cell(SETUP),
+            new_code_cell(FUNCTION_EXERCISES),
+            new_code_cell(CHECKER),
+            new_code_cell("print('after')"),
+        ]
+    )
+    nb.cells[0].id = "intro"  # a Markdown answer is named by its cell id
+    nb.cells[1].metadata["tags"] = ["setup"]
+    nb.cells[4].metadata["nbgrader"] = {"grade": True}  # stale: no exercise before it
+    return nb
+
+
+SOLUTION_META = {"schema_version": 3, "locked": False, "solution": True}
+
+
+def test_nbgrader_metadata():
+    wanted = nbgrader_metadata(graded_notebook(), lab="lab09")
+    assert wanted == [
+        {**SOLUTION_META, "grade": True, "grade_id": "lab09-answer-intro", "points": 1},
+        None,
+        {**SOLUTION_META, "grade": False, "grade_id": "lab09-momentum_step"},
+        {
+            "schema_version": 3,
+            "locked": True,
+            "solution": False,
+            "grade": True,
+            "grade_id": "lab09-momentum_step-check",
+            "points": 1,
+        },
+        None,
+    ]
+
+
+def test_write_nbgrader_metadata_touches_only_that(tmp_path):
+    path = tmp_path / "lab09_demo.ipynb"
+    nb = graded_notebook()
+    nb.cells[3].metadata["nbgrader"] = {"points": 5}  # an instructor's weight is kept
+    nbformat.write(nb, path)
+    assert write_nbgrader_metadata(path, check=True)
+    assert nbformat.read(path, as_version=4) == nb  # check writes nothing
+    assert write_nbgrader_metadata(path)
+    written = nbformat.read(path, as_version=4)
+    assert [c.metadata.get("nbgrader") for c in written.cells] == nbgrader_metadata(path)
+    assert written.cells[2].metadata["nbgrader"]["grade_id"] == "lab09-momentum_step"
+    assert written.cells[3].metadata["nbgrader"]["points"] == 5
+    assert "nbgrader" not in written.cells[4].metadata
+    assert written.cells[1].metadata["tags"] == ["setup"]
+    for before, after in zip(nb.cells, written.cells, strict=True):
+        assert (before.source, before.get("id")) == (after.source, after.get("id"))
+    text = path.read_text()
+    assert not write_nbgrader_metadata(path) and path.read_text() == text
+
+
+@pytest.mark.parametrize(
+    ("cells", "message"),
+    [
+        ([new_code_cell(FUNCTION_EXERCISES)], "'momentum_step' needs its checker"),
+        (
+            [new_code_cell(FUNCTION_EXERCISES), new_markdown_cell("Now check it.")],
+            "'momentum_step' needs its checker",
+        ),
+        (
+            [new_code_cell(FUNCTION_EXERCISES), new_code_cell(FUNCTION_EXERCISES)],
+            "'momentum_step' needs its checker",
+        ),
+        ([new_code_cell(TOP_LEVEL_EXERCISE), new_code_cell(CHECKER)], "defines no function"),
+        (
+            [new_code_cell(source) for source in [FUNCTION_EXERCISES, CHECKER] * 2],
+            "share the grade id(s) ['lab09-momentum_step', 'lab09-momentum_step-check']",
+        ),
+    ],
+)
+def test_nbgrader_metadata_errors(tmp_path, cells, message):
+    path = tmp_path / "lab09_bad.ipynb"
+    nbformat.write(new_notebook(cells=cells), path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        write_nbgrader_metadata(path)
+    with pytest.raises(ValueError, match="lab is required"):
+        nbgrader_metadata(new_notebook(cells=cells))
+
+
+def test_cli_nbgrader(tmp_path, capsys):
+    path = tmp_path / "lab09_demo.ipynb"
+    nbformat.write(graded_notebook(), path)
+    assert main(["--nbgrader", "--check", str(path)]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert main(["--nbgrader", str(path)]) == 0
+    assert main(["--nbgrader", "--check", str(path)]) == 0
+    with pytest.raises(SystemExit):
+        main(["--nbgrader", str(path), "-o", str(tmp_path / "out")])
+    assert "takes no -o" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.name)
+def test_lab_nbgrader_metadata_matches_its_markers(path):
+    # A new exercise without metadata, or metadata left on a cell that lost its markers,
+    # fails here; `lsdl-student --nbgrader labs/*.ipynb` fixes it.
+    assert not write_nbgrader_metadata(path, check=True), (
+        f"{path.name}: run lsdl-student --nbgrader {path.relative_to(ROOT)}"
+    )
+    nb = nbformat.read(path, as_version=4)
+    checkers = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    exercises = {s.cell for s in find_solutions(nb) if nb.cells[s.cell].cell_type == "code"}
+    assert len(checkers) == len(exercises)
+    assert all(c.source.startswith("check.checker(") for c in checkers)
+    # nbgrader rejects a solution region in a cell it does not know as a solution cell.
+    for index, cell in enumerate(nb.cells):
+        if "BEGIN SOLUTION" in cell.source or "END SOLUTION" in cell.source:
+            assert cell.metadata.get("nbgrader", {}).get("solution"), f"cell {index}"
