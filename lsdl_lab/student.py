@@ -292,8 +292,8 @@ def _nbgrader_command(path: Path, check: bool) -> int:
             file=sys.stderr,
         )
         return 1
-    state = "updated" if stale else "already up to date"
-    print(f"{path}: nbgrader metadata {state if not check else 'up to date'}")
+    state = "up to date" if check else "updated" if stale else "already up to date"
+    print(f"{path}: nbgrader metadata {state}")
     return 0
 
 
