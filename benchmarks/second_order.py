@@ -56,6 +56,7 @@ from benchmarks.timing import (  # noqa: E402
 )
 from lsdl_lab.models import MLP, ResNet  # noqa: E402
 from lsdl_lab.optim import KFAC, Adam, Shampoo  # noqa: E402
+from lsdl_lab.races import state_bytes  # noqa: E402
 from lsdl_lab.scale import PROFILES  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "second_order.md"
@@ -111,26 +112,6 @@ def optimizers(k: int = UPDATE_FREQ) -> dict[str, tuple[Callable, Callable[[int]
             lambda t: t % k == 0,
         )
     return out
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor reachable from ``optimizer.state`` (through dicts, lists and
-    tuples), each storage once."""
-    seen: dict[int, int] = {}
-
-    def visit(x):
-        if isinstance(x, torch.Tensor):
-            storage = x.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(x, dict):
-            for v in x.values():
-                visit(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v)
-
-    visit(dict(optimizer.state))
-    return sum(seen.values())
 
 
 @dataclass

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from lsdl_lab.races import state_bytes
+
 __all__ = [
     "CLOCKS",
     "CLOCK_TEXT",
@@ -123,7 +125,8 @@ def compare(
 
 
 def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
-    """Bytes of every tensor in ``optimizer.state``, divided by the number of parameters.
+    """Bytes of every tensor in ``optimizer.state``, divided by the number of parameters
+    (:func:`lsdl_lab.races.state_bytes`, which is :func:`lsdl_lab.memory.measure`'s count).
 
     Every tensor counts, including torch.optim's 0-d ``step`` tensors (4 bytes per
     parameter *tensor*, so under 1e-4 bytes per parameter for the benchmark's models);
@@ -132,12 +135,7 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
     """
     params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
     n = sum(p.numel() for p in params.values())
-    nbytes = sum(
-        value.numel() * value.element_size()
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    )
+    nbytes = state_bytes(optimizer)
     return nbytes / n if n else 0.0
 
 

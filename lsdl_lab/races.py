@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ._util import check_int, check_real
+from .memory.measure import measure
 from .optim.second_order import SecondOrderOptimizer
 
 __all__ = ["Run", "race", "relative_cost", "state_bytes", "train_run"]
@@ -42,22 +43,16 @@ __all__ = ["Run", "race", "relative_cost", "state_bytes", "train_run"]
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """The bytes of every tensor in ``optimizer.state`` (nested in lists, tuples or dicts
     too, as Shampoo's per-block statistics are): the optimizer's memory beside the weights
-    and their gradients. Step counters kept as Python numbers count nothing."""
+    and their gradients, as :func:`lsdl_lab.memory.measure` counts it (each storage once,
+    none that a parameter or a gradient holds). Step counters kept as Python numbers count
+    nothing."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"Invalid optimizer: a {type(optimizer).__name__} (expected a torch.optim.Optimizer)"
         )
-
-    def size(obj) -> int:
-        if isinstance(obj, Tensor):
-            return obj.numel() * obj.element_size()
-        if isinstance(obj, Mapping):
-            return sum(size(v) for v in obj.values())
-        if isinstance(obj, (list, tuple)):
-            return sum(size(v) for v in obj)
-        return 0
-
-    return size(dict(optimizer.state))
+    # measure() reads the parameters from a module; these are the optimizer's own, once each.
+    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    return measure(nn.ParameterList(params.values()), optimizer)["optimizer_state"]
 
 
 @dataclass
