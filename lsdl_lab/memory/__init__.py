@@ -10,15 +10,19 @@
 * :mod:`~lsdl_lab.memory.sharded` -- ZeRO's stages 1-3 on a real process group
   (:class:`ZeroOptimizer`).
 * :mod:`~lsdl_lab.memory.calculator` -- bytes per rank of each category for training a
-  GPT, activations by Korthikanti et al. (2022).
+  GPT (activations by Korthikanti et al. 2022) or the book's ResNet.
 """
 
 from .calculator import (
     GPTShape,
+    ResNetShape,
     activation_bytes,
     gpt_memory,
     gpt_param_shapes,
     optimizer_state_bytes,
+    resnet_activation_bytes,
+    resnet_memory,
+    resnet_param_shapes,
 )
 from .checkpoint import (
     Recompute,
@@ -49,6 +53,10 @@ __all__ = [
     "measure_by_dtype",
     "optimizer_state_bytes",
     "Recompute",
+    "ResNetShape",
+    "resnet_activation_bytes",
+    "resnet_memory",
+    "resnet_param_shapes",
     "SavedTensorBytes",
     "segments",
     "sqrt_spacing",

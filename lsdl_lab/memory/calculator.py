@@ -1,4 +1,4 @@
-"""The memory calculator: bytes per rank of each category for training a GPT.
+"""The memory calculator: bytes per rank of each category for training a GPT or a ResNet.
 
 For a GPT-2-style model (pre-norm blocks, learned positions, output layer tied to the
 token embedding, as :class:`lsdl_lab.models.GPT`) of ``layers`` blocks of width h with
@@ -39,6 +39,31 @@ indices; and under ``torch.autocast`` with float32 master weights (not Megatron-
 16-bit weights), a float32 residual stream at each LayerNorm (4 bytes per element, not
 2) and a 16-bit copy of every matrix weight, cast by autocast and kept for the backward
 pass: 2 bytes per matrix parameter that the formula does not count.
+
+The book's CIFAR ResNet (:class:`lsdl_lab.models.ResNet`, He et al. 2016, Section 4.2:
+depth 6n + 2, widths w, 2w, 4w, 1x1 projection shortcuts, global average pooling) has no
+published activation formula; :func:`resnet_activation_bytes` counts what autograd saves
+for it, read off :class:`lsdl_lab.memory.SavedTensorBytes` op by op (training mode, the
+CPU kernels; each storage once, parameters and buffers excluded). With N images of
+S x S pixels and A = N x (the stage's spatial size)^2 positions, p bytes per activation:
+
+* the first convolution saves its input, N c_in S^2 elements (every later convolution's
+  input is a ReLU's output, already counted);
+* each convolution's output is the input its BatchNorm saves, and BatchNorm also saves
+  its batch mean and 1/std, 2c float32 numbers (its weight and running statistics are
+  parameters and buffers);
+* each ReLU saves its output; the residual addition and the identity shortcut save
+  nothing, so a basic block keeps 4cA elements (two BatchNorm inputs, two ReLU
+  outputs) and a projection shortcut cA more (its BatchNorm's input);
+* global average pooling saves nothing; the classifier saves its input, N x 4w;
+* the loss (cross-entropy) saves the float32 log-softmax, 4Nk bytes, the int64 targets
+  and a float32 total weight, 8N + 4 bytes.
+
+``"fp32"`` is p = 4. ``"bf16"`` and ``"fp16"`` describe ``torch.autocast`` over float32
+weights, as measured on the CPU: every feature map is 16-bit (p = 2; BatchNorm runs on
+the 16-bit maps and keeps float32 statistics) and each convolution and the classifier
+keep the 16-bit copy of their weight that autocast casts, 2 bytes per weight element. On
+CUDA, cuDNN's BatchNorm may keep a reserve buffer that this count leaves out.
 """
 
 from __future__ import annotations
@@ -51,6 +76,7 @@ from .zero import zero_bytes
 __all__ = [
     "ATTENTIONS",
     "GPTShape",
+    "ResNetShape",
     "OPTIMIZERS",
     "PRECISIONS",
     "RECOMPUTE",
@@ -58,6 +84,9 @@ __all__ = [
     "gpt_memory",
     "gpt_param_shapes",
     "optimizer_state_bytes",
+    "resnet_activation_bytes",
+    "resnet_memory",
+    "resnet_param_shapes",
 ]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -134,8 +163,12 @@ def optimizer_state_bytes(shapes: list[tuple[int, ...]], optimizer: str, precisi
         return master + 8 * psi
     if optimizer == "sgd_momentum":
         return master + 4 * psi
-    # Adafactor: a row and a column statistic for a matrix, a full one for a vector.
-    return master + 4 * sum(s[0] + s[1] if len(s) == 2 else _numel(s) for s in shapes)
+    # Adafactor: a row and a column statistic for a matrix (over the last two dimensions
+    # of an order-k tensor, as Adafactor factors a convolution's weight), a full one for a
+    # vector.
+    return master + 4 * sum(
+        _numel(s[:-1]) + _numel(s[:-2]) * s[-1] if len(s) >= 2 else _numel(s) for s in shapes
+    )
 
 
 def activation_bytes(
@@ -201,12 +234,112 @@ def gpt_memory(
     fragmentation and communication buffers are not counted.
     """
     check_choice("precision", precision, PRECISIONS)
-    shapes = gpt_param_shapes(shape, tp)
+    out = _model_states(gpt_param_shapes(shape, tp), precision, optimizer, zero_stage, dp)
+    out["activations"] = activation_bytes(shape, precision, recompute, tp=tp, **activation_options)
+    out["total"] = sum(out.values())
+    return out
+
+
+def _model_states(shapes, precision: str, optimizer: str, zero_stage: int, dp: int) -> dict:
+    """Parameters, gradients and optimizer state per rank (no total) for these shapes."""
     psi = sum(_numel(s) for s in shapes)
     width = 4 if precision == "fp32" else 2
     k = optimizer_state_bytes(shapes, optimizer, precision) / psi
     out = zero_bytes(psi, zero_stage, dp, k, param_bytes=width, grad_bytes=width)
     del out["total"]
-    out["activations"] = activation_bytes(shape, precision, recompute, tp=tp, **activation_options)
+    return out
+
+
+@dataclass(frozen=True)
+class ResNetShape:
+    """The book's CIFAR ResNet and its micro-batch: ``depth`` = 6n + 2 layers, ``width``
+    channels in the first stage, ``num_classes`` outputs, ``in_channels`` input channels
+    (the arguments of :class:`lsdl_lab.models.ResNet`), micro-batches of ``micro_batch``
+    images of ``image_size`` x ``image_size`` pixels."""
+
+    depth: int
+    width: int
+    num_classes: int
+    in_channels: int
+    micro_batch: int
+    image_size: int
+
+    def __post_init__(self):
+        if check_int("depth", self.depth, 8) % 6 != 2:
+            raise ValueError(
+                f"Invalid depth: {self.depth} (expected 6n + 2 with n >= 1: 8, 14, 20, ...)"
+            )
+        check_int("width", self.width, 1)
+        check_int("num_classes", self.num_classes, 2)
+        check_int("in_channels", self.in_channels, 1)
+        check_int("micro_batch", self.micro_batch, 1)
+        check_int("image_size", self.image_size, 8)
+
+
+def _resnet_layout(shape: ResNetShape) -> list[tuple[int, int, int]]:
+    """(input channels, output channels, output size) of each basic block, in order."""
+    if not isinstance(shape, ResNetShape):
+        raise TypeError(f"Invalid shape: a {type(shape).__name__} (expected a ResNetShape)")
+    n, w, size = (shape.depth - 2) // 6, shape.width, shape.image_size
+    blocks, c_in = [], w
+    for stage, c in enumerate((w, 2 * w, 4 * w)):
+        for i in range(n):
+            if stage > 0 and i == 0:
+                size = (size - 1) // 2 + 1  # a stride-2 convolution, padding 1 (3x3) or 0 (1x1)
+            blocks.append((c_in, c, size))
+            c_in = c
+    return blocks
+
+
+def resnet_param_shapes(shape: ResNetShape) -> list[tuple[int, ...]]:
+    """The parameter shapes of the ResNet, in the order of ``ResNet.parameters()``: the
+    first 3x3 convolution (no bias) and its BatchNorm (weight, bias); per basic block two
+    3x3 convolutions with their BatchNorms and, where the shape changes, a 1x1 projection
+    with its BatchNorm; the classifier (weight, bias)."""
+    blocks = _resnet_layout(shape)
+    w = shape.width
+    shapes = [(w, shape.in_channels, 3, 3), (w,), (w,)]
+    for c_in, c, _ in blocks:
+        shapes += [(c, c_in, 3, 3), (c,), (c,), (c, c, 3, 3), (c,), (c,)]
+        if c_in != c:
+            shapes += [(c, c_in, 1, 1), (c,), (c,)]
+    return shapes + [(shape.num_classes, 4 * w), (shape.num_classes,)]
+
+
+def resnet_activation_bytes(shape: ResNetShape, precision: str = "fp32") -> int:
+    """Bytes autograd saves for the backward pass of one training step of the ResNet and
+    its cross-entropy loss (the count per layer type is in the module's text)."""
+    blocks = _resnet_layout(shape)
+    check_choice("precision", precision, PRECISIONS)
+    p = 4 if precision == "fp32" else 2
+    b, w, k, size = shape.micro_batch, shape.width, shape.num_classes, shape.image_size
+    elements = b * shape.in_channels * size**2 + 2 * b * w * size**2  # input, BN input, ReLU
+    statistics = 2 * w  # float32 mean and 1/std of each BatchNorm's channels
+    for c_in, c, out in blocks:
+        projection = c_in != c
+        elements += (4 + projection) * b * c * out**2
+        statistics += 2 * c * (2 + projection)
+    elements += b * 4 * w  # the classifier's input
+    loss = 4 * b * k + 8 * b + 4
+    casts = 0
+    if p == 2:  # autocast's 16-bit copy of each convolution's and the classifier's weight
+        casts = 2 * sum(_numel(s) for s in resnet_param_shapes(shape) if len(s) > 1)
+    return p * elements + 4 * statistics + loss + casts
+
+
+def resnet_memory(
+    shape: ResNetShape,
+    *,
+    precision: str = "fp32",
+    optimizer: str = "sgd_momentum",
+    zero_stage: int = 0,
+    dp: int = 1,
+) -> dict[str, float]:
+    """Bytes per rank of ``params``, ``grads``, ``optimizer_state``, ``activations`` and
+    their ``total`` for training the ResNet ``shape``: model states as for the GPT
+    (:func:`gpt_memory`), activations by :func:`resnet_activation_bytes`."""
+    check_choice("precision", precision, PRECISIONS)
+    out = _model_states(resnet_param_shapes(shape), precision, optimizer, zero_stage, dp)
+    out["activations"] = resnet_activation_bytes(shape, precision)
     out["total"] = sum(out.values())
     return out

@@ -1,5 +1,6 @@
 """The memory calculator against Korthikanti et al.'s formulas and against measurement."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -8,14 +9,19 @@ import torch.nn.functional as F
 
 from lsdl_lab.memory.calculator import (
     GPTShape,
+    ResNetShape,
     activation_bytes,
     gpt_memory,
     gpt_param_shapes,
     optimizer_state_bytes,
+    resnet_activation_bytes,
+    resnet_memory,
+    resnet_param_shapes,
 )
 from lsdl_lab.memory.measure import SavedTensorBytes, measure
 from lsdl_lab.memory.zero import zero_bytes
-from lsdl_lab.models import GPT, count_parameters
+from lsdl_lab.models import GPT, ResNet, count_parameters
+from lsdl_lab.scale import PROFILES
 
 # GPT-3-like sizes (hidden 6144, 64 heads, 48 layers: the scale Korthikanti et al. study).
 SHAPE = GPTShape(layers=48, hidden=6144, heads=64, seq_len=2048, micro_batch=4, vocab=51200)
@@ -176,3 +182,108 @@ def test_bad_shapes(kwargs, name, error):
         GPTShape(**{**fields, **kwargs})
     with pytest.raises(TypeError, match="Invalid shape"):
         gpt_memory(fields)
+
+
+# -- the ResNet ------------------------------------------------------------------------------
+
+TINY = ResNetShape(depth=8, width=2, num_classes=3, in_channels=1, micro_batch=1, image_size=8)
+
+
+def test_resnet_formula_by_hand():
+    # Blocks (c_in, c, size): (2, 2, 8), (2, 4, 4) and (4, 8, 2), the last two projected.
+    stem, blocks = (
+        2 * 9 + 4,
+        (2 * 2 * 9 * 2 + 8) + (8 * 9 + 16 * 9 + 8 + 24) + (32 * 9 + 64 * 9 + 32 + 48),
+    )
+    assert sum(map(math.prod, resnet_param_shapes(TINY))) == stem + blocks + 3 * 8 + 3 == 1321
+    assert count_parameters(ResNet(8, 2, 3, 1)) == 1321
+    # Input 64; stem BN input and ReLU 2 * 128; blocks 4 * 2 * 64, 5 * 4 * 16, 5 * 8 * 4;
+    # the classifier's input 8.
+    elements = 64 + 256 + 512 + 320 + 160 + 8
+    statistics = 2 * 2 + 2 * 2 * 2 + 2 * 4 * 3 + 2 * 8 * 3  # 2c per BatchNorm
+    loss = 4 * 3 + 8 + 4
+    assert resnet_activation_bytes(TINY) == 4 * elements + 4 * statistics + loss == 5640
+    weights = 18 + 36 + 36 + 72 + 144 + 8 + 288 + 576 + 32 + 24
+    assert resnet_activation_bytes(TINY, "bf16") == 2 * elements + 4 * statistics + loss + (
+        2 * weights
+    )
+
+
+def test_resnet_model_states_follow_zero_and_the_optimizer():
+    psi = 1321
+    for stage in range(4):
+        calc = resnet_memory(TINY, precision="bf16", optimizer="adam", zero_stage=stage, dp=4)
+        formula = zero_bytes(psi, stage, 4, 12)
+        for key in ("params", "grads", "optimizer_state"):
+            assert calc[key] == pytest.approx(formula[key])
+        assert calc["total"] == pytest.approx(formula["total"] + calc["activations"])
+    # Adafactor factors a convolution's weight (c, c_in, 3, 3) over its last two
+    # dimensions: c * c_in * 3 row and c * c_in * 3 column statistics.
+    assert optimizer_state_bytes([(4, 2, 3, 3)], "adafactor", "fp32") == 4 * (24 + 24)
+    assert optimizer_state_bytes([(5, 7)], "adafactor", "fp32") == 4 * (5 + 7)
+
+
+def _resnet_sizes():
+    # The profiles' ResNets on 8x8 images (smoke's digits) and on 32x32 images, and an odd
+    # size whose stride-2 convolutions round up.
+    out = []
+    for name, images, batch in [("smoke", 8, 4), ("cpu", 32, 2), ("gpu", 32, 2), ("smoke", 11, 3)]:
+        p = PROFILES[name]
+        out.append((p.resnet_depth, p.resnet_width, images, batch))
+    return out
+
+
+@pytest.mark.parametrize("depth, width, image_size, batch", _resnet_sizes())
+def test_resnet_calculator_against_measurement(depth, width, image_size, batch):
+    torch.manual_seed(0)
+    model = ResNet(depth, width, 10, 3)
+    shape = ResNetShape(depth, width, 10, 3, batch, image_size)
+    assert [tuple(p.shape) for p in model.parameters()] == resnet_param_shapes(shape)
+    x, y = torch.randn(batch, 3, image_size, image_size), torch.randint(10, (batch,))
+    for precision in ("fp32", "bf16"):
+        with SavedTensorBytes(model) as saved:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+                logits = model(x)
+            F.cross_entropy(logits.float(), y).backward()
+        calc = resnet_activation_bytes(shape, precision)
+        assert saved.peak == calc  # exact: the count is what autograd saves
+    tensors = len(list(model.parameters()))
+    optimizers = {
+        "adam": lambda p: torch.optim.Adam(p),
+        "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "adafactor": lambda p: torch.optim.Adafactor(p),
+    }
+    for name, make in optimizers.items():
+        opt = make(model.parameters())
+        opt.step()
+        measured = measure(model, opt)
+        calc = resnet_memory(shape, precision="fp32", optimizer=name)
+        assert measured["params"] == calc["params"] and measured["grads"] == calc["grads"]
+        # torch.optim keeps a 0-d float32 step count per tensor (none for SGD).
+        steps = 0 if name == "sgd_momentum" else 4 * tensors
+        # approx: the calculator's K is a ratio (bytes per parameter), rounded in float.
+        assert measured["optimizer_state"] == pytest.approx(calc["optimizer_state"] + steps)
+        assert abs(measured["optimizer_state"] / calc["optimizer_state"] - 1) < 0.10
+
+
+@pytest.mark.parametrize(
+    "kwargs, name, error",
+    [
+        ({"depth": 9}, "depth", ValueError),
+        ({"depth": 2}, "depth", ValueError),
+        ({"width": 0}, "width", ValueError),
+        ({"num_classes": 1}, "num_classes", ValueError),
+        ({"image_size": 7}, "image_size", ValueError),
+        ({"micro_batch": 1.5}, "micro_batch", TypeError),
+    ],
+)
+def test_bad_resnet_shapes(kwargs, name, error):
+    fields = dict(depth=8, width=2, num_classes=3, in_channels=1, micro_batch=1, image_size=8)
+    with pytest.raises(error, match=f"Invalid {name}"):
+        ResNetShape(**{**fields, **kwargs})
+    with pytest.raises(TypeError, match="Invalid shape"):
+        resnet_memory(fields)
+    with pytest.raises(ValueError, match="Invalid precision"):
+        resnet_memory(TINY, precision="fp8")
+    with pytest.raises(ValueError, match="Invalid optimizer"):
+        resnet_memory(TINY, optimizer="lion")
