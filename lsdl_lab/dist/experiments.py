@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -413,6 +414,7 @@ def model_parallel_run(
     layers: int = 4,
     dim: int = 64,
     heads: int = 4,
+    repeats: int = 3,
 ) -> dict:
     """Tensor and pipeline parallelism on this world.
 
@@ -422,9 +424,9 @@ def model_parallel_run(
     forward (two all-reduces of the activations, Shoeybi et al. 2019).
 
     ``"pipeline"``: one stage per rank (``layers`` Linear + tanh layers of ``width`` on
-    micro-batches of ``rows`` rows), one 1F1B and one GPipe step per ``micro_batches``
-    after an untimed warm-up step: measured bubble, the formula's, peak activations in
-    flight, and this rank's timeline (for a figure) at the largest m."""
+    micro-batches of ``rows`` rows), ``repeats`` 1F1B and GPipe steps per ``micro_batches``
+    after an untimed warm-up step: measured bubble (their median), the formula's, peak
+    activations in flight, and this rank's timeline (for a figure) at the largest m."""
     torch.manual_seed(0)
     block = models.TransformerBlock(dim, heads, 0.0).double()
     tp = TensorParallelBlock(block)
@@ -453,9 +455,12 @@ def model_parallel_run(
 
         _timed_step(stage, inputs, "gpipe")  # warm-up: the first backward of a process is slow
         for schedule in ("gpipe", "1f1b"):
-            report = _timed_step(stage, inputs, schedule)
+            # the median of a few steps: one step of a few milliseconds is at the mercy of
+            # whatever else the machine runs
+            reports = [_timed_step(stage, inputs, schedule) for _ in range(repeats)]
+            report = reports[-1]
             pipeline[schedule, m] = {
-                "bubble": report.bubble,
+                "bubble": statistics.median(r.bubble for r in reports),
                 "formula": bubble_fraction(world_size, m),
                 "peak_in_flight": report.peak_in_flight,
                 "timeline": report.timeline,
