@@ -5,7 +5,7 @@ Run from the repository root (either form)::
     python -m benchmarks.zero                       # the cpu profile's GPT, world 2
     python benchmarks/zero.py --quick               # a tiny GPT, a few seconds, no file
 
-In one world of 2 processes (gloo, :func:`lsdl_lab.dist.spawn`), six data-parallel
+In one world of 2 processes (gloo, :func:`lsdl_lab.dist.spawn`), eight data-parallel
 set-ups each train their own copy of the same float32 GPT (untied output layer:
 :func:`lsdl_lab.memory.experiments.untied_gpt`, as ZeRO's units need) with Adam on the
 rank's half of the same batch:
@@ -16,7 +16,12 @@ rank's half of the same batch:
 * ``torch ZeroRedundancyOptimizer``: DDP and ``ZeroRedundancyOptimizer(Adam)``, torch's
   stage 1 (whole parameters assigned to ranks);
 * ``torch FSDP2``: ``fully_shard`` on each transformer block and on the model, Adam on the
-  sharded parameters (stage 3, as FSDP's ``FULL_SHARD``).
+  sharded parameters (stage 3, as FSDP's ``FULL_SHARD``);
+* ``ZeRO-3 offload`` and ``torch FSDP2 offload``: the same with the optimizer state (and
+  the master shard) kept in CPU memory and stepped there (ZeRO-Offload's idea, Ren et al.
+  2021; FSDP2's ``CPUOffloadPolicy(pin_memory=False)``). On a CPU-only machine there is no
+  device-to-host copy to pay: these rows time only the offload path's own bookkeeping;
+  its real cost, the PCIe traffic, needs a GPU.
 
 A training step is ``zero_grad``, forward, backward and ``step``: ZeRO moves the
 communication into the backward pass (reduce-scatter) and around the step (all-gather),
@@ -72,7 +77,16 @@ MODELS = {
     "cpu": ((VOCAB, CPU.block_size, CPU.gpt_layers, CPU.gpt_heads, CPU.gpt_dim), 16),
     "tiny": ((32, 16, 1, 2, 16), 4),
 }
-SETUPS = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "torch ZeroRedundancyOptimizer", "torch FSDP2")
+SETUPS = (
+    "DDP",
+    "ZeRO-1",
+    "ZeRO-2",
+    "ZeRO-3",
+    "ZeRO-3 offload",
+    "torch ZeroRedundancyOptimizer",
+    "torch FSDP2",
+    "torch FSDP2 offload",
+)
 CATEGORIES = ("params", "grads", "optimizer_state")
 
 
@@ -123,14 +137,19 @@ def make_setup(name: str, gpt_args: tuple, world_size: int):
     from torch.nn.parallel import DistributedDataParallel
 
     model = untied_gpt(*gpt_args)
+    offload = name.endswith(" offload")
     if name.startswith("ZeRO-"):
-        opt = ZeroOptimizer(model, torch.optim.Adam, stage=int(name[-1]), lr=LR)
+        opt = ZeroOptimizer(model, torch.optim.Adam, stage=int(name[5]), offload=offload, lr=LR)
         return model, opt, opt.held_bytes
-    if name == "torch FSDP2":
+    if name.startswith("torch FSDP2"):
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
         mesh = init_device_mesh("cpu", (world_size,))
+        # pin_memory=False: pinning needs CUDA (FACTS.md)
+        policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **policy)
+        fully_shard(model, mesh=mesh, **policy)
         opt = torch.optim.Adam(model.parameters(), lr=LR)
         return model, opt, lambda: held_bytes(model, opt.state)
     ddp = DistributedDataParallel(model)

@@ -121,6 +121,10 @@ class LossScaler:
             if grads:
                 torch._foreach_mul_(grads, inv_scale)
         if self.process_group is not None:
+            # NCCL reduces CUDA tensors only; with offloaded optimizer state the gradients,
+            # and so the flag, may live in CPU memory
+            if dist.get_backend(self.process_group) == "nccl" and found_inf.device.type != "cuda":
+                found_inf = found_inf.to(torch.device("cuda", torch.cuda.current_device()))
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
         self._found_inf[key] = bool(found_inf.item())
 
