@@ -26,6 +26,7 @@ timed.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -200,10 +201,17 @@ def race(
     return runs
 
 
+def _median_step_seconds(run: Run) -> float:
+    # the median, not the mean: the runs of a race follow one another, and a burst of
+    # another process's work during one run would otherwise weigh on that run alone
+    return statistics.median(b - a for a, b in zip([0.0, *run.seconds], run.seconds))
+
+
 def relative_cost(runs: Mapping[str, Run], baseline: str, target: float) -> dict[str, dict]:
     """For each run, its steps and seconds to ``target`` divided by ``baseline``'s (None
-    where either run never reached it), and its mean seconds per step relative to the
-    baseline's."""
+    where either run never reached it), and its median seconds per step relative to the
+    baseline's (an optimizer that refreshes a preconditioner every k > 2 steps is then
+    priced at its ordinary step)."""
     check_real("target", target)
     if baseline not in runs:
         raise ValueError(f"Invalid baseline: {baseline!r} (expected one of {list(runs)})")
@@ -215,6 +223,6 @@ def relative_cost(runs: Mapping[str, Run], baseline: str, target: float) -> dict
         out[name] = dict(
             steps=None if s is None or b is None else s / b,
             seconds=None if ts is None or tb is None else ts / tb,
-            per_step=(run.seconds[-1] / run.steps) / (base.seconds[-1] / base.steps),
+            per_step=_median_step_seconds(run) / _median_step_seconds(base),
         )
     return out

@@ -82,6 +82,9 @@ def test_steps_and_seconds_to_a_target():
     other = races.Run("b", 10, losses=[3.0, 2.0, 1.5, 1.0], seconds=[0.5, 1.0, 1.5, 2.0])
     cost = races.relative_cost({"r": run, "b": other}, "b", 1.0)
     assert cost["r"] == dict(steps=0.75, seconds=1.5, per_step=2.0)
+    # per step: the median step, so one slow step (another process's burst) does not count
+    burst = races.Run("b", 10, losses=[3.0, 2.0, 1.5, 1.0], seconds=[0.5, 1.0, 4.0, 4.5])
+    assert races.relative_cost({"r": run, "b": burst}, "b", 1.0)["r"]["per_step"] == 2.0
     assert races.relative_cost({"r": run, "b": other}, "b", 0.5)["r"]["steps"] is None
     with pytest.raises(ValueError, match="baseline"):
         races.relative_cost({"r": run}, "b", 1.0)
