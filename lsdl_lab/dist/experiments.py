@@ -49,7 +49,9 @@ from ..compress import (
     powersgd_hook,
 )
 from ..data import load_digits
+from ..memory.measure import measure
 from ..parallel import TensorParallelBlock, bubble_fraction, pipeline_step
+from ..train import accuracy
 from .collectives import ring_all_reduce, tree_all_reduce
 from .cost import (
     fit_alpha_beta,
@@ -260,7 +262,7 @@ def _shard(x: torch.Tensor, y: torch.Tensor, step: int, batch: int, rank: int, w
 
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.no_grad():
-        return (model(x).argmax(1) == y).float().mean().item()
+        return accuracy(model(x), y).item()
 
 
 def _digits(seed: int):
@@ -357,7 +359,7 @@ def local_sgd_run(
         average_at_end = averager.rounds
         if (steps - warmup_steps) % period:  # evaluate one model: average a last time
             average_parameters(model.parameters())
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        size = measure(model)["params"]
         out[period] = {
             "accuracy": _accuracy(model, test_x, test_y),
             "rounds": average_at_end,
