@@ -1,0 +1,60 @@
+"""Labs read well outside the book: in Colab and Jupyter, MyST roles and directives show as
+raw text, so a lab's markdown is plain CommonMark (citations as "(Author et al., Year)" with
+a link to the paper, book pages as relative markdown links)."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LABS = sorted((ROOT / "labs").glob("*.ipynb"))
+
+# {cite}`x`, {cite:p}`x`, {doc}`x`, {ref}`x`, {numref}`x`, {eq}`x`, {math}`x`, ...
+ROLE = re.compile(r"(?<!`)\{[a-z][a-z0-9:_-]*\}`")
+# ```{note}, ~~~{figure}, :::{admonition}: MyST directive fences
+DIRECTIVE = re.compile(r"^\s*(`{3,}|~{3,}|:{3,})\s*\{[a-z]", re.MULTILINE)
+# (my-label)= and cross-reference targets
+TARGET = re.compile(r"^\s*\([A-Za-z0-9_.:-]+\)=\s*$", re.MULTILINE)
+# markdown links to files of the repository: [text](../book/ch04_large_batch.md)
+RELATIVE_LINK = re.compile(r"\]\((\.\.?/[^)#\s]+)(?:#[^)]*)?\)")
+
+
+def myst_syntax(text):
+    """Every MyST role, directive fence and target in `text`, as found."""
+    return ROLE.findall(text) + DIRECTIVE.findall(text) + TARGET.findall(text)
+
+
+def test_the_detector_finds_each_kind_of_myst_syntax():
+    assert myst_syntax("ResNet {cite}`he2016deep` and {cite:p}`a,b`") == ["{cite}`", "{cite:p}`"]
+    assert myst_syntax("see {doc}`Chapter 4 <../book/ch04>` and {ref}`x`") == ["{doc}`", "{ref}`"]
+    assert len(myst_syntax("```{note}\nhi\n```")) == 1
+    assert len(myst_syntax(":::{admonition} Title\nhi\n:::")) == 1
+    assert len(myst_syntax("(sec-intro)=\n# Intro")) == 1
+    # plain markdown passes: a fenced code block, a link, a dict in inline code, math
+    plain = "```python\nx = {'a': 1}\n```\n[He et al., 2016](https://doi.org/x) `{a}` $\\{x\\}$"
+    assert myst_syntax(plain) == []
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
+def test_lab_markdown_has_no_myst_roles_or_directives(lab):
+    nb = nbformat.read(lab, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "markdown":
+            continue
+        found = myst_syntax(cell.source)
+        assert not found, (
+            f"{lab.name} cell {i}: MyST syntax {found} shows as raw text in Colab/Jupyter; "
+            "write citations as ([Author et al., Year](paper URL)) and book pages as "
+            "[Chapter N](../book/chNN_name.md)"
+        )
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
+def test_lab_relative_links_point_at_files_of_the_repository(lab):
+    nb = nbformat.read(lab, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for target in RELATIVE_LINK.findall(cell.source):
+                assert (lab.parent / target).resolve().is_file(), f"{lab.name}: {target}"
