@@ -145,9 +145,9 @@ class KFAC(Optimizer):
     preconditioned when its weight is among them (with its group's hyperparameters), and
     its bias is folded into its factors when the bias is there too and trainable.
     Step it as ``loss = ...; optimizer.backward(loss); optimizer.step()`` (or
-    ``loss.backward()`` with ``fisher="empirical"``); the model's output is ``(N, C)``
-    logits and the loss a mean over the batch. ``remove_hooks()`` detaches it from the
-    model.
+    ``loss.backward()`` with ``fisher="empirical"``); the model's output is ``(..., C)``
+    logits and the loss a mean over its rows (examples, or a language model's tokens).
+    ``remove_hooks()`` detaches it from the model.
 
     The defaults are kfac-pytorch's (damping 1e-3, factor_decay 0.95, kl_clip 1e-3,
     momentum 0.9). KL-clipping then sets the step length whatever the learning rate; on the
@@ -192,12 +192,15 @@ class KFAC(Optimizer):
             )
         trainable = {p for group in self.param_groups for p in group["params"]}
         self.layers = {}  # weight -> Layer
-        self.hooks = [model.register_forward_hook(self._keep_output)]
+        self.hooks = []
         for m in model.modules():
             if _supported(m) and m.weight in trainable and m.weight.requires_grad:
                 bias = m.bias is not None and m.bias in trainable and m.bias.requires_grad
                 self.layers[m.weight] = layer = Layer(m, bias)
                 self.hooks.append(m.register_forward_hook(self._capture(layer)))
+        # registered last, so that it runs after the layers' hooks even when the model is
+        # itself one layer (hooks of one module run in the order they were registered)
+        self.hooks.append(model.register_forward_hook(self._keep_output))
         # the sampling stream's seed lives in the state, so that a resumed run samples the
         # labels the uninterrupted run would have
         seed = int(torch.randint(2**31, ()).item()) if seed is None else seed
@@ -223,8 +226,8 @@ class KFAC(Optimizer):
         def hook(module, inputs, output):
             if not (module.training and torch.is_grad_enabled()):
                 return  # evaluation passes leave the factors alone
-            layer.a, layer.batch, layer.g = inputs[0].detach(), len(inputs[0]), None
-            layer.output = output
+            # layer.batch, N, is set by the model's own hook once the output's rows are known
+            layer.a, layer.g, layer.output = inputs[0].detach(), None, output
             if self.fisher == "empirical":
                 output.register_hook(lambda g: self._capture_grad(layer, g))
 
