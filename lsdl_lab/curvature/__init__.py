@@ -12,14 +12,15 @@ r"""Curvature: operators with one ``matvec`` protocol, and the probes that take 
   and :func:`spectral_density` (stochastic Lanczos quadrature), cross-checked against
   PyHessian (Yao et al., 2020) and curvlinops;
 - :mod:`~lsdl_lab.curvature.conjugate_gradient`: :func:`cg`, conjugate gradients on any
-  operator (with damping, a budget, a stopping rule and a warm start).
+  operator (with damping, a budget, a stopping rule, a warm start, and the iterates it
+  keeps for Hessian-free's backtracking).
 
     from lsdl_lab import curvature
     H = curvature.HessianOperator(model, F.cross_entropy, [(x, y)])
     (lam_max,), _ = curvature.top_eigenvalues(H)
 """
 
-from .conjugate_gradient import CGInfo, cg
+from .conjugate_gradient import CGInfo, Iterate, cg
 from .gauss_newton import FisherOperator, GGNOperator
 from .operators import (
     CurvatureOperator,
@@ -45,6 +46,7 @@ __all__ = [
     "FisherOperator",
     "GGNOperator",
     "HessianOperator",
+    "Iterate",
     "ParameterOperator",
     "SpectralDensity",
     "affine_batchnorm",

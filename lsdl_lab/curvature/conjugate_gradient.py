@@ -8,6 +8,7 @@ warm-started from the previous step, are already a useful step.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import NamedTuple
 
 import torch
@@ -15,7 +16,17 @@ import torch
 from .._util import check_int, check_nonnegative, check_tensor
 from .operators import CurvatureOperator
 
-__all__ = ["CGInfo", "cg"]
+__all__ = ["CGInfo", "Iterate", "cg"]
+
+
+class Iterate(NamedTuple):
+    r"""An iterate :func:`cg` kept: its iteration ``k``, :math:`x_k`, and
+    :math:`x_k^\top (A + \lambda I) x_k`, read off the residual as :math:`x_k^\top (b - r_k)`
+    at no extra product (what Hessian-free needs to price the step, Martens, 2010, Sec. 4.6)."""
+
+    k: int
+    x: torch.Tensor
+    xAx: float
 
 
 class CGInfo(NamedTuple):
@@ -25,6 +36,7 @@ class CGInfo(NamedTuple):
     residual_norms: list[float]  # ||b - (A + damping I) x_k||, k = 0 .. iterations
     converged: bool  # the last residual norm is at most tol * ||b||
     indefinite: bool  # stopped at a direction p with p^T (A + damping I) p <= 0
+    iterates: tuple[Iterate, ...] = ()  # those asked for by ``keep``, and the last one
 
 
 def cg(
@@ -35,6 +47,7 @@ def cg(
     max_iters: int | None = None,
     tol: float = 1e-5,
     x0: torch.Tensor | None = None,
+    keep: Collection[int] = (),
 ) -> tuple[torch.Tensor, CGInfo]:
     r"""Conjugate gradients (Hestenes & Stiefel, 1952, the algorithm of their Sec. 3) for
     :math:`(A + \lambda I)x = b`, :math:`\lambda` = ``damping``, ``A`` a symmetric positive
@@ -54,7 +67,10 @@ def cg(
     :math:`\kappa`). A warm start costs one more product (its residual). If
     :math:`p^\top(A+\lambda I)p \le 0` the operator is not positive definite along
     :math:`p`: CG stops there and says so (``info.indefinite``), as
-    Hessian-free does with an indefinite Hessian. Returns :math:`x` and a :class:`CGInfo`.
+    Hessian-free does with an indefinite Hessian. With ``keep`` (iteration numbers), a copy
+    of :math:`x_k` at each of those iterations and of the last one is kept in
+    ``info.iterates`` (an :class:`Iterate` each), for Hessian-free's backtracking over them.
+    Returns :math:`x` and a :class:`CGInfo`.
     """
     if not isinstance(A, CurvatureOperator):
         raise TypeError(f"Invalid A: a {type(A).__name__} (expected a CurvatureOperator)")
@@ -79,6 +95,12 @@ def cg(
     p, rr = r.clone(), r @ r
     target = tol * b.norm().item()
     norms, indefinite, k = [rr.sqrt().item()], False, 0
+    keep = set(keep)
+    kept = []
+
+    def store(k):
+        kept.append(Iterate(k, x.clone(), (x @ (b - r)).item()))
+
     while norms[-1] > target and k < max_iters:
         Ap = matvec(p)
         k += 1
@@ -93,4 +115,9 @@ def cg(
         p = r + (rr_new / rr) * p
         rr = rr_new
         norms.append(rr.sqrt().item())
-    return x, CGInfo(k, norms, norms[-1] <= target, indefinite)
+        if k in keep:
+            store(k)
+    last = k - indefinite  # the iterations that moved x (not the one that met p^T A p <= 0)
+    if keep and (not kept or kept[-1].k != last):
+        store(last)
+    return x, CGInfo(k, norms, norms[-1] <= target, indefinite, tuple(kept))

@@ -19,9 +19,19 @@ Schraudolph, 2002) and :math:`\lambda` the damping:
   relative residual ``cg_tol``; it is warm-started from the previous solution decayed by
   :math:`\zeta` = ``warm_start_decay`` (Martens, 2010, Sec. 4.5: 0.95; 0 starts from zero).
   Martens stops CG by the progress of :math:`q` instead (Sec. 4.4); the residual rule here
-  is :func:`~lsdl_lab.curvature.cg`'s. Martens's CG-backtracking (Sec. 4.6: keep some
-  iterates, take the best on the loss) is not implemented: :func:`~lsdl_lab.curvature.cg`
-  returns its last iterate only.
+  is :func:`~lsdl_lab.curvature.cg`'s.
+- With ``cg_backtracking=True``, Martens's CG-iteration backtracking (Sec. 4.6): CG keeps
+  its iterate :math:`\delta_k` at the iterations :math:`k = \lceil\gamma^j\rceil`,
+  :math:`j = 0, 1, \dots` (:math:`\gamma = 1.3`, his value) and its last one; starting
+  from the last, the loss :math:`f(w + \eta\delta_k)` is evaluated on the step's batch at each
+  kept iterate in turn, going back while it decreases, and the step is the best one found.
+  The quadratic model can be a poor guide to :math:`f` far from :math:`w`, and CG's later
+  iterates, which minimize it better, can then be worse on :math:`f` than earlier, shorter
+  ones (Martens: it also guards against overfitting the curvature mini-batch). As he does,
+  the next CG run is warm-started from the last iterate, not the chosen one. The model's
+  value at each kept iterate comes from CG's residual, :math:`\delta_k^\top(G + \lambda I)
+  \delta_k = \delta_k^\top(-g - r_k)`, with no extra product (when the groups' learning
+  rates differ, one product per kept iterate instead).
 - :math:`\alpha` is 1, or with ``line_search=True`` the Armijo backtracking line search's
   (Nocedal & Wright, Alg. 3.1; Martens & Sutskever, 2012, Sec. 8.8: no step when it finds
   no decrease).
@@ -45,28 +55,70 @@ and the outputs, after its own ``backward(create_graph=True)``)::
 :math:`Gv = J^\top H_\ell J v` is computed on that graph (:class:`LossGGN`): the curvature
 of what the loss does to the outputs, so a term of the loss that does not pass through the
 outputs (an explicit weight penalty) is in the gradient but not in :math:`G`; HF's damping
-plays the part of a weight penalty's curvature. The memory is the closure's graph and a few
-vectors of the model's size, as for a first-order method, so unlike
-:class:`~lsdl_lab.optim.Newton` no model is too large for it; each step costs the closure,
-one gradient, up to ``cg_iters`` GGN products (about three backward passes each) and one
-more evaluation of the loss (one per trial with the line search).
+plays the part of a weight penalty's curvature.
+
+**What limits the model's size.** Not a matrix (unlike :class:`~lsdl_lab.optim.Newton`, HF
+never forms one): memory. Beside the closure's graph (kept through the whole step, with the
+graph of :math:`J^\top u` that the products differentiate), HF holds vectors of the model's
+size: the gradient, CG's right-hand side, iterate, residual, direction and product, the
+product's temporary, the damping and learning-rate vectors, the saved direction of the warm
+start and the copy of the weights a step starts from (:data:`VECTORS`, 11), and with
+backtracking the kept iterates (14 for ``cg_iters=50``). A first-order method holds two to
+four such vectors (Adam: the gradient and two moments). HF refuses, when it is built, a
+model whose vectors would not fit in ``max_bytes`` (default: the memory available on the
+parameters' device at that moment, :func:`available_bytes`), and says how much they need,
+rather than fail for memory in the middle of a step. Time is the other limit: each step costs
+the closure, one gradient, up to ``cg_iters`` GGN products (about three backward passes
+each) and one more evaluation of the loss (one per trial with the line search, one per kept
+iterate tried with backtracking).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
 
 from .._util import check_bool, check_int, check_nonnegative, check_real, flatten, unflatten
-from ..curvature import CurvatureOperator, cg
+from ..curvature import CurvatureOperator, Iterate, cg
 from .second_order import SecondOrderOptimizer, loss_of
 
-__all__ = ["HessianFree", "LossGGN"]
+__all__ = ["HessianFree", "LossGGN", "available_bytes", "backtracking_iterations"]
 
 BOOST, DROP = 3 / 2, 2 / 3  # Martens (2010), Sec. 4.1: lambda's factors ...
 LOW, HIGH = 1 / 4, 3 / 4  # ... when rho < 1/4 and when rho > 3/4
+GAMMA = 1.3  # Martens (2010), Sec. 4.6: CG's iterates kept at ceil(gamma^j)
+VECTORS = 11  # model-sized vectors HF holds at once besides kept iterates (module docstring)
+
+
+def backtracking_iterations(max_iters: int, gamma: float = GAMMA) -> list[int]:
+    r"""The CG iterations whose iterates backtracking keeps, :math:`\lceil\gamma^j\rceil
+    \le` ``max_iters`` (Martens, 2010, Sec. 4.6): 1, 2, 3, 4, 5, 7, 9, 11, 14, ... for
+    :math:`\gamma = 1.3`; CG keeps its last iterate too."""
+    out, j = [], 0
+    while (k := math.ceil(gamma**j)) <= max_iters:
+        if not out or k != out[-1]:
+            out.append(k)
+        j += 1
+    return out
+
+
+def available_bytes(device: torch.device) -> int:
+    """The memory that can still be allocated on ``device``: CUDA's free memory, or on the
+    CPU the kernel's estimate of the memory available without swapping (``MemAvailable``
+    of /proc/meminfo; free physical pages where there is no such file)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class LossGGN(CurvatureOperator):
@@ -121,10 +173,13 @@ class HessianFree(SecondOrderOptimizer):
     ``lr`` scales the step (1: the CG solution); ``damping`` is the initial
     :math:`\lambda`, adapted from there; ``cg_iters`` is the products' budget and ``cg_tol``
     the relative residual at which CG stops; ``warm_start_decay`` is
-    :math:`\zeta \in [0, 1]`; ``line_search`` and ``adapt_damping`` switch those on. The
-    state of each parameter is its part of the last CG solution, ``"direction"``. After a
-    step, ``last`` holds what it did: the :class:`~lsdl_lab.curvature.CGInfo` of the solve,
-    the reduction ratio ``rho`` (NaN if not adapting) and the step length ``alpha``.
+    :math:`\zeta \in [0, 1]`; ``line_search``, ``adapt_damping`` and ``cg_backtracking``
+    switch those on; ``max_bytes`` bounds the memory of HF's vectors (default: what the
+    parameters' device has available). The state of each parameter is its part of the last
+    CG solution, ``"direction"``. After a step, ``last`` holds what it did: the
+    :class:`~lsdl_lab.curvature.CGInfo` of the solve, the CG iteration whose iterate was
+    taken (``iteration``), the reduction ratio ``rho`` (NaN if not adapting) and the step
+    length ``alpha``.
     """
 
     def __init__(
@@ -137,18 +192,21 @@ class HessianFree(SecondOrderOptimizer):
         warm_start_decay: float = 0.95,
         line_search: bool = False,
         adapt_damping: bool = True,
+        cg_backtracking: bool = False,
+        max_bytes: int | None = None,
         *,
         foreach: bool = True,
     ):
         defaults = dict(
             lr=lr, damping=damping, cg_iters=cg_iters, cg_tol=cg_tol,
             warm_start_decay=warm_start_decay, line_search=line_search,
-            adapt_damping=adapt_damping,
+            adapt_damping=adapt_damping, cg_backtracking=cg_backtracking, max_bytes=max_bytes,
         )  # fmt: skip
         super().__init__(params, defaults, foreach)
         self.last: dict = {}
 
-    shared = ("cg_iters", "cg_tol", "warm_start_decay", "line_search", "adapt_damping")
+    shared = ("cg_iters", "cg_tol", "warm_start_decay", "line_search", "adapt_damping",
+              "cg_backtracking", "max_bytes")  # fmt: skip
 
     def check(self, group):
         check_nonnegative("damping", group["damping"])
@@ -156,7 +214,37 @@ class HessianFree(SecondOrderOptimizer):
         check_real("cg_tol", group["cg_tol"], 0.0, 1.0)
         check_real("warm_start_decay", group["warm_start_decay"], 0.0, 1.0)
         check_bool("adapt_damping", group["adapt_damping"])
+        check_bool("cg_backtracking", group["cg_backtracking"])
+        if group["max_bytes"] is not None:
+            check_int("max_bytes", group["max_bytes"], 1)
+        if "params" in group:
+            self.check_memory(group)
         self.check_shared(group)
+
+    def check_memory(self, group: dict) -> None:
+        """Refuse a model whose vectors (module docstring) would not fit in ``max_bytes``."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not params:
+            return
+        size = sum(p.numel() for p in params)
+        kept = 0
+        if group["cg_backtracking"]:
+            kept = len(backtracking_iterations(group["cg_iters"])) + 1
+        need = (VECTORS + kept) * size * params[0].element_size()
+        device = params[0].device
+        limit = group["max_bytes"]
+        limit = available_bytes(device) if limit is None else limit
+        if need > limit:
+            raise ValueError(
+                f"Invalid params: {size:,} parameters: HessianFree would hold {VECTORS + kept} "
+                f"vectors of that size (the gradient, CG's five, the damping and learning-rate "
+                f"vectors, the warm start, the weights a step starts from"
+                + (f", {kept} kept CG iterates" if kept else "")
+                + f"), {need / 2**30:.2f} GiB, more than the {limit / 2**30:.2f} GiB "
+                + ("available on " + str(device) if group["max_bytes"] is None
+                   else f"of max_bytes={limit:,}")
+                + "; use a first-order method or K-FAC, a smaller model, or float32 weights"
+            )  # fmt: skip
 
     def warm_start(self, params: list[Tensor], decay: float) -> Tensor | None:
         r""":math:`\zeta\,\delta_{t-1}` (zero where a parameter has none yet), or None."""
@@ -167,8 +255,8 @@ class HessianFree(SecondOrderOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        r"""One step: CG on :math:`(G + \lambda I)\delta = -g`, the move, then :math:`\lambda`
-        by the reduction ratio."""
+        r"""One step: CG on :math:`(G + \lambda I)\delta = -g`, the move (after backtracking
+        over CG's iterates, if on), then :math:`\lambda` by the reduction ratio."""
         params, groups = self.trainable()
         result, loss = self.evaluate(closure)
         if not (isinstance(result, tuple) and len(result) == 2):
@@ -183,15 +271,22 @@ class HessianFree(SecondOrderOptimizer):
         G = LossGGN(loss, result[1], params, self.per_coordinate(params, groups, "damping"))
         g = flatten(grads)
         x0 = self.warm_start(params, first["warm_start_decay"])
-        delta, info = cg(G, -g, max_iters=first["cg_iters"], tol=first["cg_tol"], x0=x0)
+        keep = backtracking_iterations(first["cg_iters"]) if first["cg_backtracking"] else ()
+        delta, info = cg(G, -g, max_iters=first["cg_iters"], tol=first["cg_tol"], x0=x0,
+                         keep=keep)  # fmt: skip
         for p, part in zip(params, unflatten(delta, params)):
             self.state[p]["direction"] = part
-        d = delta * self.per_coordinate(params, groups, "lr")
-        slope, curvature = (g @ d).item(), (d @ G.ggn(d)).item()
-        del G  # the graph: the moves below change the weights it was built on
+        lr = self.per_coordinate(params, groups, "lr")
+        candidates = info.iterates or (Iterate(info.iterations, delta, math.nan),)
+        # the model's slope and curvature of each candidate step d = lr * delta_k, before the
+        # moves below change the weights that G's graph was built on
+        priced = [(c, lr * c.x, *self.model_terms(G, g, c, lr)) for c in candidates]
+        del G
         f0 = loss.item()
-        alpha, f_new = self.take_step(closure, params, unflatten(d, params), f0, slope,
-                                      first["line_search"])  # fmt: skip
+        iteration, d, slope, curvature, f_new = self.backtrack(closure, params, priced, f0)
+        alpha, f_line = self.take_step(closure, params, unflatten(d, params), f0, slope,
+                                       first["line_search"])  # fmt: skip
+        f_new = f_line if first["line_search"] else f_new
         rho = math.nan
         if first["adapt_damping"]:
             if f_new is None:
@@ -200,8 +295,38 @@ class HessianFree(SecondOrderOptimizer):
             factor = BOOST if rho < LOW else DROP if rho > HIGH else 1.0
             for group in self.param_groups:
                 group["damping"] *= factor
-        self.last = dict(cg=info, rho=rho, alpha=alpha)
+        self.last = dict(cg=info, iteration=iteration, rho=rho, alpha=alpha)
         return loss
+
+    @staticmethod
+    def model_terms(G: LossGGN, g: Tensor, c: Iterate, lr: Tensor) -> tuple[float, float]:
+        r"""The slope :math:`g^\top d` and undamped curvature :math:`d^\top G d` of the step
+        :math:`d = \eta\,\delta_k`; with one learning rate, the curvature is CG's
+        :math:`\delta_k^\top(G + \Lambda)\delta_k` less the damping's part (no product)."""
+        d = lr * c.x
+        eta = lr[0].item()
+        if not math.isnan(c.xAx) and bool((lr == eta).all()):
+            return (g @ d).item(), eta**2 * (c.xAx - (c.x * G.damping) @ c.x).item()
+        return (g @ d).item(), (d @ G.ggn(d)).item()
+
+    def backtrack(self, closure, params: list[Tensor], priced: list, f0: float):
+        """Martens (2010), Sec. 4.6: from the last kept iterate back, the loss at each while it
+        decreases; (iteration, step, slope, curvature, loss there or None if not evaluated).
+        With one candidate (no backtracking) nothing is evaluated; the weights are left where
+        they started."""
+        if len(priced) == 1:
+            c, d, slope, curvature = priced[0]
+            return c.k, d, slope, curvature, None
+        start = [p.detach().clone() for p in params]
+        best = None
+        for c, d, slope, curvature in reversed(priced):
+            self.move(params, start, unflatten(d, params), 1.0)
+            f = loss_of(closure()).item()
+            if best is not None and not f < best[-1]:
+                break
+            best = (c.k, d, slope, curvature, f)
+        torch._foreach_copy_(params, start)
+        return best
 
 
 def reduction_ratio(actual: float, predicted: float) -> float:

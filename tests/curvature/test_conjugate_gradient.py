@@ -68,11 +68,28 @@ def test_budget_and_warm_start():
     assert at_solution.iterations == 0 and at_solution.converged
 
 
+def test_kept_iterates_are_the_iterates_with_their_quadratic_form():
+    A = spd(condition=1e2)
+    op = cv.DenseOperator(A)
+    b = torch.ones(30, dtype=torch.float64)
+    x, info = cv.cg(op, b, damping=0.5, max_iters=9, tol=1e-14, keep=[1, 2, 5, 20])
+    assert [it.k for it in info.iterates] == [1, 2, 5, 9]  # 20 never reached; the last kept
+    assert torch.equal(info.iterates[-1].x, x)
+    M = A + 0.5 * torch.eye(30, dtype=torch.float64)
+    for it in info.iterates:
+        again, _ = cv.cg(op, b, damping=0.5, max_iters=it.k, tol=1e-14)
+        torch.testing.assert_close(it.x, again, rtol=1e-13, atol=1e-15)
+        assert it.xAx == pytest.approx((it.x @ M @ it.x).item(), rel=1e-10)
+    assert cv.cg(op, b, max_iters=3)[1].iterates == ()  # nothing kept unless asked
+
+
 def test_cg_stops_on_an_indefinite_operator():
     A = symmetric(torch.tensor([3.0, 1.0, -2.0], dtype=torch.float64))[0]
     b = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
-    _, info = cv.cg(cv.DenseOperator(A), b, max_iters=10, tol=1e-12)
+    _, info = cv.cg(cv.DenseOperator(A), b, max_iters=10, tol=1e-12, keep=range(1, 11))
     assert info.indefinite and not info.converged
+    # the iterate kept last is the last that moved, not the product that met p^T A p <= 0
+    assert info.iterates[-1].k == info.iterations - 1 == len(info.iterates)
 
 
 @pytest.mark.parametrize(

@@ -183,12 +183,15 @@ OPTIMIZERS = [
          separable=False, closure=loss_closure),
     Spec(optim.HessianFree, (dict(lr=1.0, damping=1.0),
                              dict(lr=1.0, damping=0.5, cg_iters=10, cg_tol=1e-3,
-                                  warm_start_decay=0.0, line_search=True, adapt_damping=False),
+                                  warm_start_decay=0.0, line_search=True, adapt_damping=False,
+                                  cg_backtracking=True),
                              dict(lr=0.8, damping=2.0)),
          ((dict(damping=-1.0), ValueError, "Invalid damping: -1.0"),
           (dict(cg_iters=0), ValueError, "Invalid cg_iters: 0 (expected an int >= 1)"),
           (dict(warm_start_decay=1.5), ValueError, "Invalid warm_start_decay: 1.5"),
-          (dict(cg_tol=-1.0), ValueError, "Invalid cg_tol: -1.0")),
+          (dict(cg_tol=-1.0), ValueError, "Invalid cg_tol: -1.0"),
+          (dict(max_bytes=0), ValueError, "Invalid max_bytes: 0"),
+          (dict(max_bytes=8), ValueError, "parameters: HessianFree would hold")),
          separable=False, closure=outputs_closure),
 ]  # fmt: skip
 

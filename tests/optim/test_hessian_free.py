@@ -145,6 +145,86 @@ def test_the_line_search_backs_off_a_step_that_raises_the_loss():
     assert 1 / 4 < opt.last["rho"] < 3 / 4 and opt.param_groups[0]["damping"] == lam
 
 
+def two_sines(lrs: tuple[float, float], backtracking: bool, lam: float = 1e-3):
+    """f(w) = 1/2 sum_i c_i (sin w_i - t_i)^2 from w = 0, c = (10, 1), t = (0.5, 4), each w_i
+    a parameter in its own group with learning rate lrs[i]. At w = 0 the Gauss-Newton matrix
+    is diag(c), so CG ends in two iterations, at the Gauss-Newton step w = t, where sin 4 < 0:
+    a higher loss than at w = 0. CG's first iterate, a shorter step along -g, is better."""
+    w = [nn.Parameter(torch.zeros(1, dtype=torch.float64)) for _ in range(2)]
+    c, t = torch.tensor([10.0, 1.0], dtype=torch.float64), torch.tensor([0.5, 4.0]).double()
+
+    def f(z):
+        return 0.5 * (c * (torch.sin(z) - t) ** 2).sum()
+
+    def closure():
+        out = torch.sin(torch.cat(w))
+        return 0.5 * (c * (out - t) ** 2).sum(), out
+
+    groups = [dict(params=[p], lr=lr) for p, lr in zip(w, lrs)]
+    opt = optim.HessianFree(groups, damping=lam, cg_iters=10, cg_tol=1e-12,
+                            cg_backtracking=backtracking)  # fmt: skip
+    # CG's iterates by hand on (diag(c) + lam I) x = c t, from x = 0
+    b, A = c * t, c + lam
+    x1 = (b @ b) / (b @ (A * b)) * b
+    x2 = b / A
+    return w, opt, closure, f, c, t, (x1, x2)
+
+
+@pytest.mark.parametrize("lrs", [(1.0, 1.0), (1.0, 0.5)], ids=["one-lr", "two-lrs"])
+def test_cg_backtracking_takes_the_best_kept_iterate_on_the_loss(lrs):
+    # Martens (2010), Sec. 4.6: from the last CG iterate back while the loss decreases
+    w, opt, closure, f, c, t, (x1, x2) = two_sines(lrs, backtracking=True)
+    eta = torch.tensor(lrs, dtype=torch.float64)
+    d1, d2 = eta * x1, eta * x2
+    f0, f1, f2 = f(torch.zeros(2, dtype=torch.float64)), f(d1), f(d2)
+    opt.step(closure)
+    assert [it.k for it in opt.last["cg"].iterates] == [1, 2]
+    # one learning rate: the last iterate overshoots (f2 > f0) and the first is taken;
+    # with 0.5 on the second coordinate the last is better than the first and is kept
+    chosen, f_chosen = (1, d1) if f1 < f2 else (2, d2)
+    assert (chosen == 1) == (lrs == (1.0, 1.0)), (f0, f1, f2)
+    assert opt.last["iteration"] == chosen
+    torch.testing.assert_close(torch.cat(w).detach(), f_chosen, rtol=1e-12, atol=1e-14)
+    d = f_chosen
+    predicted = -(c * t) @ d + 0.5 * d @ (c * d)  # the undamped model, q(d) - q(0)
+    rho = (f(d) - f0) / predicted
+    assert opt.last["rho"] == pytest.approx(rho.item(), rel=1e-9)
+    # the next CG run starts from the last iterate, as Martens does, not the chosen one
+    direction = torch.cat([opt.state[p]["direction"] for p in w])
+    torch.testing.assert_close(direction, x2, rtol=1e-12, atol=1e-14)
+    # without backtracking: the last iterate, whatever the loss there
+    w, opt, closure, *_ = two_sines(lrs, backtracking=False)
+    opt.step(closure)
+    assert opt.last["iteration"] == 2
+    torch.testing.assert_close(torch.cat(w).detach(), d2, rtol=1e-12, atol=1e-14)
+
+
+def test_a_model_whose_vectors_do_not_fit_is_refused_with_the_reason():
+    model = MLP(64, 10, hidden=128, depth=1)  # 8,320 + 1,290 = 9,610 float32 parameters
+    need = 11 * 9_610 * 4  # the gradient, CG's five, ..., the weights a step starts from
+    reason = r"9,610 parameters: HessianFree would hold 11 vectors .* of max_bytes=400,000"
+    with pytest.raises(ValueError, match=reason):
+        optim.HessianFree(model.parameters(), max_bytes=400_000)
+    optim.HessianFree(model.parameters(), max_bytes=need)  # exactly enough
+    # backtracking keeps 14 iterates more at 50 CG iterations (1, 2, 3, 4, 5, 7, 9, 11, 14,
+    # 18, 24, 31, 40, and the last)
+    assert optim.hessian_free.backtracking_iterations(50) == [
+        1, 2, 3, 4, 5, 7, 9, 11, 14, 18, 24, 31, 40
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"25 vectors .*14 kept CG iterates"):
+        optim.HessianFree(model.parameters(), max_bytes=need, cg_backtracking=True)
+    optim.HessianFree(model.parameters(), max_bytes=25 * 9_610 * 4, cg_backtracking=True)
+    # by default the limit is the memory available on the device: a huge model is refused
+    huge = [torch.empty(2**62 // 11 // 4 + 1, device="meta", requires_grad=True)]
+    with pytest.raises(ValueError, match=r"available on meta"):
+        optim.HessianFree(huge)
+    # a group added later counts with the others
+    first = optim.HessianFree(model.net[1].parameters(), max_bytes=need - 1290 * 44)
+    with pytest.raises(ValueError, match="HessianFree would hold"):
+        first.add_param_group(dict(params=model.net[3].parameters()))
+    assert len(first.param_groups) == 1
+
+
 def test_resume_restores_the_adapted_damping_and_the_direction():
     model, x, y, closure = classifier()
     opt = optim.HessianFree(model.parameters(), damping=1.0, cg_iters=5)
