@@ -10,7 +10,8 @@ the two decay rates, and watch the path the optimizer takes on the contour plot:
 The picture itself is drawn by :func:`draw`, an ordinary function of the slider values and
 a matplotlib ``Axes``, so it can be tested, and used in a static figure, without a browser.
 The explorer renders each picture to a PNG and puts it in an ``Output`` widget, so the
-last picture is kept in the notebook's widget state (a static page still shows it).
+last picture is kept in the notebook's widget state; the explorer's display data also carry
+that PNG beside the widget view, so a static page without the widget JavaScript shows it.
 
 ipywidgets is an optional dependency (``pip install lsdl_lab[widgets]``; Colab has it);
 only :func:`optimizer_explorer` needs it.
@@ -282,4 +283,16 @@ def optimizer_explorer(problems: dict | None = None, optimizers: dict | None = N
         else:
             control.observe(redraw, names="value")
     redraw()
+
+    widget_bundle = box._repr_mimebundle_
+
+    def bundle(**kwargs):
+        # The widget view needs a kernel or the widget JavaScript; a page without them (the
+        # book's HTML, served with no network) renders the last picture from this PNG.
+        data = widget_bundle(**kwargs)
+        if data is not None and output.outputs:
+            data = {**data, "image/png": output.outputs[0]["data"]["image/png"]}
+        return data
+
+    box._repr_mimebundle_ = bundle
     return box

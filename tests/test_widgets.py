@@ -202,3 +202,13 @@ def test_explorer_with_own_choices():
         widgets.optimizer_explorer(problems={})
     with pytest.raises(ValueError, match="Invalid optimizers: empty"):
         widgets.optimizer_explorer(optimizers={})
+
+
+def test_explorer_display_carries_the_last_picture_for_static_pages():
+    pytest.importorskip("ipywidgets")
+    box = widgets.optimizer_explorer()
+    data = box._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in data  # interactive in Jupyter
+    assert base64.b64decode(data["image/png"]) == picture(box)
+    controls(box)["steps"].value = 50
+    assert base64.b64decode(box._repr_mimebundle_()["image/png"]) == picture(box)
