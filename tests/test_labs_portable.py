@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = sorted((ROOT / "labs").glob("*.ipynb"))
@@ -58,3 +59,28 @@ def test_lab_relative_links_point_at_files_of_the_repository(lab):
         if cell.cell_type == "markdown":
             for target in RELATIVE_LINK.findall(cell.source):
                 assert (lab.parent / target).resolve().is_file(), f"{lab.name}: {target}"
+
+
+COLAB = re.compile(
+    r"https://colab\.research\.google\.com/github/([^/]+)/([^/]+)/blob/([^/]+)/([^)\s\"]+)"
+)
+REMOTE_IMAGE = re.compile(r"!\[[^\]]*\]\((https?://[^)]+)\)|<img[^>]+src=[\"'](https?://[^\"']+)")
+
+
+def colab_targets(text):
+    """(org, repo, branch, path) of every Colab link in `text`."""
+    return COLAB.findall(text)
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
+def test_lab_opens_itself_in_colab_and_loads_no_remote_image(lab):
+    nb = nbformat.read(lab, as_version=4)
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    repo_url = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
+    targets = colab_targets(text)
+    assert targets, f"{lab.name} has no Colab link"
+    for org, repo, branch, path in targets:
+        assert f"https://github.com/{org}/{repo}" == repo_url and branch == "main", path
+        assert (ROOT / path).is_file(), f"{lab.name}: Colab link to missing {path}"
+    # the book's HTML is served with no network: a remote image (a badge) would not load
+    assert not REMOTE_IMAGE.findall(text), f"{lab.name}: remote image"
