@@ -1,0 +1,39 @@
+"""The one training entry point (Chapter 9): the same command from one process to
+``torchrun`` on many nodes.
+
+* :mod:`~lsdl_lab.run.config`: :class:`Config`, filled from a YAML file and flags;
+* :mod:`~lsdl_lab.run.build`: the model, batches, optimizer and schedule it names;
+* :mod:`~lsdl_lab.run.parallel`: DDP, ZeRO 1-3, FSDP2 (and the bytes each sends);
+* :mod:`~lsdl_lab.run.loop`: :func:`train`, one run on this process;
+* :mod:`~lsdl_lab.run.checkpoint`: atomic checkpoints that load with ``weights_only=True``;
+* :mod:`~lsdl_lab.run.metrics`: the JSON-lines metrics log;
+* :mod:`~lsdl_lab.run.launch`: :func:`launch` (``torchrun`` from a notebook) and the CLI.
+
+From a shell::
+
+    python -m lsdl_lab.run --config run.yaml
+    torchrun --standalone --nproc-per-node 2 -m lsdl_lab.run --config run.yaml
+
+From a notebook::
+
+    records = launch(Config(model="mlp", steps=50, out_dir="runs/a"), nproc=2)
+"""
+
+from .checkpoint import CheckpointError
+from .config import Config, load_config, parser
+from .launch import LaunchError, launch, main, torchrun_command
+from .loop import train
+from .metrics import read_metrics
+
+__all__ = [
+    "CheckpointError",
+    "Config",
+    "LaunchError",
+    "launch",
+    "load_config",
+    "main",
+    "parser",
+    "read_metrics",
+    "torchrun_command",
+    "train",
+]
