@@ -31,9 +31,9 @@ clock of the slower rank (a collective waits for its peer, which no CPU clock se
 
 Bytes per rank after a step, before ``zero_grad``: parameters, gradients and optimizer
 state this rank holds (:meth:`ZeroOptimizer.held_bytes
-<lsdl_lab.memory.ZeroOptimizer.held_bytes>` for lsdl_lab; for the others each tensor's
-local shard, each storage once). DDP's gradient buckets (a second copy of the gradients,
-which DDP all-reduces) are not counted.
+<lsdl_lab.memory.ZeroOptimizer.held_bytes>` for lsdl_lab; for the others
+:func:`lsdl_lab.memory.measure`: each DTensor's local shard, each storage once). DDP's
+gradient buckets (a second copy of the gradients, which DDP all-reduces) are not counted.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
@@ -65,6 +64,7 @@ from benchmarks.timing import (  # noqa: E402
 from lsdl_lab.dist import spawn  # noqa: E402
 from lsdl_lab.memory import ZeroOptimizer  # noqa: E402
 from lsdl_lab.memory.experiments import lm_loss, untied_gpt  # noqa: E402
+from lsdl_lab.memory.measure import CATEGORIES, measure  # noqa: E402
 from lsdl_lab.scale import PROFILES  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "zero.md"
@@ -87,46 +87,6 @@ SETUPS = (
     "torch FSDP2",
     "torch FSDP2 offload",
 )
-CATEGORIES = ("params", "grads", "optimizer_state")
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank; any other tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def held_bytes(model: nn.Module, state: dict) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state (``state``, nested) held on this
-    rank, local shards only, each storage once (the first category that holds it)."""
-    seen: set[int] = set()
-
-    def count(tensors) -> int:
-        total = 0
-        for t in tensors:
-            storage = local(t).untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
-
-    def tensors_in(x):
-        if isinstance(x, torch.Tensor):
-            yield x
-        elif isinstance(x, dict):
-            for v in x.values():
-                yield from tensors_in(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                yield from tensors_in(v)
-
-    params = list(model.parameters())
-    out = {
-        "params": count(params),
-        "grads": count(p.grad for p in params if p.grad is not None),
-        "optimizer_state": count(tensors_in(dict(state))),
-    }
-    out["total"] = sum(out.values())
-    return out
 
 
 def make_setup(name: str, gpt_args: tuple, world_size: int):
@@ -151,13 +111,13 @@ def make_setup(name: str, gpt_args: tuple, world_size: int):
             fully_shard(block, mesh=mesh, **policy)
         fully_shard(model, mesh=mesh, **policy)
         opt = torch.optim.Adam(model.parameters(), lr=LR)
-        return model, opt, lambda: held_bytes(model, opt.state)
+        return model, opt, lambda: measure(model, opt)  # each DTensor's local shard
     ddp = DistributedDataParallel(model)
     if name == "DDP":
         opt = torch.optim.Adam(ddp.parameters(), lr=LR)
-        return ddp, opt, lambda: held_bytes(model, opt.state)
+        return ddp, opt, lambda: measure(model, opt)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
-    return ddp, opt, lambda: held_bytes(model, opt.optim.state)
+    return ddp, opt, lambda: measure(model, opt.optim)  # the state of this rank's shard
 
 
 def zero_worker(

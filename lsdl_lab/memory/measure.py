@@ -47,6 +47,12 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (FSDP2, tensor parallelism: a rank holds only its
+    shard, and a DTensor has no storage of its own); any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _tensors_in(obj) -> Iterable[torch.Tensor]:
     """The tensors in an optimizer's per-parameter state (a dict, possibly holding lists)."""
     if isinstance(obj, torch.Tensor):
@@ -80,7 +86,7 @@ def measure_by_dtype(model: nn.Module, optimizer=None) -> dict[str, dict[str, in
     Each storage is counted once over all categories (the first category that holds it
     owns it, in the order params, grads, optimizer_state). Optimizer state is every tensor
     in ``optimizer.state`` (moments, step counters when they are tensors, master weights
-    when the optimizer keeps them there).
+    when the optimizer keeps them there). A DTensor counts its shard on this rank.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"Invalid model: a {type(model).__name__} (expected an nn.Module)")
@@ -88,7 +94,7 @@ def measure_by_dtype(model: nn.Module, optimizer=None) -> dict[str, dict[str, in
     out: dict[str, dict[str, int]] = {}
     for category, tensors in _category_tensors(model, optimizer).items():
         per_dtype: dict[str, int] = {}
-        for t in tensors:
+        for t in map(_local, tensors):
             key = _storage_key(t)
             if key in seen:
                 continue

@@ -50,6 +50,32 @@ def test_tied_weights_are_counted_once():
     assert measure(model)["params"] == 400
 
 
+def test_a_dtensor_counts_its_local_shard(tmp_path):
+    # FSDP2 and tensor parallelism hold parameters as DTensors, which have no storage of
+    # their own: a rank holds its shard. A world of one rank, with a DTensor declared twice
+    # as long as its shard (as on rank 0 of two), tells the shard from the whole.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        shard = torch.zeros(3, 4)
+        model = nn.Module()
+        model.w = nn.Parameter(
+            DTensor.from_local(
+                shard, mesh, [Shard(0)], run_check=False, shape=(6, 4), stride=(4, 1)
+            )
+        )
+        assert model.w.shape == (6, 4)
+        assert measure(model)["params"] == 4 * 12
+    finally:
+        dist.destroy_process_group()
+
+
 def test_by_dtype_splits_the_bytes():
     model = _mlp()
     model[2].to(torch.bfloat16)
