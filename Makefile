@@ -15,7 +15,9 @@ export OMP_NUM_THREADS ?= 1
 export TQDM_DISABLE ?= 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: setup book test lint student bench bench-cost clean
+COLAB_BASE := $(VENV)/colab-base
+
+.PHONY: setup book test lint browser colab-base student bench bench-cost clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +36,28 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+# Debian's chromium and chromium-driver for the browser test (tests/test_book.py), installed
+# here when missing (CI runs as root); otherwise the command to run is printed.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	else \
+		echo "make test needs chromium and chromium-driver: sudo apt-get install -y chromium chromium-driver" >&2; \
+		exit 1; \
+	fi
+
+# A Colab-like Python (torch and Colab's usual packages, no lsdl_lab) for
+# tests/test_colab_install.py, which layers a fresh venv over it for each run.
+$(COLAB_BASE)/.installed: tests/colab-requirements.txt
+	rm -rf $(COLAB_BASE)
+	$(PYTHON) -m venv $(COLAB_BASE)
+	$(COLAB_BASE)/bin/python -m pip install -r tests/colab-requirements.txt
+	touch $@
+
+colab-base: $(STAMP) $(COLAB_BASE)/.installed
+
+test: lint browser colab-base
 	LSDL_SCALE=smoke $(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax tests labs
 
 # Not part of `make test`: minutes of timing, written to benchmarks/results/.
