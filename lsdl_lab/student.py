@@ -7,8 +7,12 @@ itself. In a code cell, the lines from ``### BEGIN SOLUTION`` to ``### END SOLUT
     raise NotImplementedError("Exercise: write your solution here")
 
 In a Markdown cell, the lines from ``<!-- BEGIN SOLUTION -->`` to ``<!-- END SOLUTION -->``
-are removed. Outputs and execution counts are cleared; everything else (cell ids and
-metadata, the notebook's metadata and nbformat version) is kept.
+are removed. In an exercise's checker cell, the lines from ``### BEGIN HIDDEN TESTS`` to
+``### END HIDDEN TESTS`` (nbgrader's hidden tests: checks a student does not see, where the
+visible checker's message would give the answer away) are removed, as nbgrader removes them;
+``nbgrader autograde`` puts them back and runs them. Outputs and execution counts are
+cleared; everything else (cell ids and metadata, the notebook's metadata and nbformat
+version) is kept.
 
 From the command line::
 
@@ -44,6 +48,7 @@ import nbformat
 
 __all__ = [
     "Solution",
+    "find_hidden_tests",
     "find_solutions",
     "main",
     "make_student_version",
@@ -63,6 +68,14 @@ _MARKERS = {
         re.compile(r"<!--\s*(BEGIN|END)\s+SOLUTION"),
     ),
 }
+
+
+# nbgrader's hidden tests, in code cells only
+_HIDDEN = (
+    "### BEGIN HIDDEN TESTS",
+    "### END HIDDEN TESTS",
+    re.compile(r"(BEGIN|END) HIDDEN TESTS"),
+)
 
 
 class Solution(NamedTuple):
@@ -88,6 +101,23 @@ def find_solutions(nb: nbformat.NotebookNode | str | Path) -> list[Solution]:
     ]
 
 
+def find_hidden_tests(nb: nbformat.NotebookNode | str | Path) -> list[Solution]:
+    """Every hidden-test block of a notebook (or of the notebook file at that path), as
+    :class:`Solution` tuples, in order; raises ValueError naming the notebook, cell and
+    line of a malformed marker."""
+    if isinstance(nb, (str, Path)):
+        where = str(nb)
+        nb = _read(nb)
+    else:
+        where = "notebook"
+    return [
+        Solution(index, start, end)
+        for index, cell in enumerate(nb.cells)
+        if cell.cell_type == "code"
+        for start, end in _blocks(cell, f"{where}, cell {index}", _HIDDEN)
+    ]
+
+
 def make_student_version(src_path: str | Path, dst_path: str | Path) -> int:
     """Write the student version of notebook ``src_path`` to ``dst_path``; return how many
     solutions were removed. Nothing is written when a marker is malformed."""
@@ -99,7 +129,12 @@ def make_student_version(src_path: str | Path, dst_path: str | Path) -> int:
     for index, cell in enumerate(nb.cells):
         blocks = _blocks(cell, f"{src_path}, cell {index}")
         removed += len(blocks)
+        hidden = _blocks(cell, f"{src_path}, cell {index}", _HIDDEN)
+        if blocks and hidden:
+            raise ValueError(f"{src_path}, cell {index}: hidden tests in a solution cell")
         lines = cell.source.split("\n")
+        for start, end in reversed(hidden):  # removed with their markers, as nbgrader does
+            del lines[start - 1 : end]
         # From the last block up, so earlier line numbers stay valid.
         for start, end in reversed(blocks):
             if cell.cell_type == "code":
@@ -174,6 +209,13 @@ def nbgrader_metadata(
             "grade_id": f"{name}-check",
             "points": points,
         }
+    for hidden in find_hidden_tests(nb):
+        meta = wanted[hidden.cell]
+        if meta is None or meta["solution"] or not meta["grade"]:
+            raise ValueError(
+                f"{where}, cell {hidden.cell}: hidden tests must be in an exercise's checker "
+                "cell (the code cell right after its solution), which nbgrader grades"
+            )
     ids = [meta["grade_id"] for meta in wanted if meta is not None]
     repeated = sorted({grade_id for grade_id in ids if ids.count(grade_id) > 1})
     if repeated:
@@ -204,11 +246,17 @@ def _read(path: str | Path) -> nbformat.NotebookNode:
     return nbformat.read(path, as_version=nbformat.NO_CONVERT)
 
 
-def _blocks(cell: nbformat.NotebookNode, where: str) -> list[tuple[int, int]]:
-    """The (start, end) marker lines, 1-based, of each solution block in one cell."""
-    if cell.cell_type not in _MARKERS:
-        return []
-    begin, end, mention = _MARKERS[cell.cell_type]
+def _blocks(
+    cell: nbformat.NotebookNode, where: str, markers: tuple | None = None
+) -> list[tuple[int, int]]:
+    """The (start, end) marker lines, 1-based, of each solution block in one cell (or of
+    each block between other ``markers``: begin, end, and the pattern of a mention)."""
+    if markers is None:
+        if cell.cell_type not in _MARKERS:
+            return []
+        markers = _MARKERS[cell.cell_type]
+    begin, end, mention = markers
+    kind = "solution" if "SOLUTION" in begin else "hidden-test"
     blocks, start = [], None
     for number, line in enumerate(cell.source.split("\n"), start=1):
         marker = line.strip()
@@ -216,7 +264,7 @@ def _blocks(cell: nbformat.NotebookNode, where: str) -> list[tuple[int, int]]:
             if start is not None:
                 raise ValueError(
                     f"{where}, line {number}: {begin!r} inside the solution opened on "
-                    f"line {start} (solutions cannot nest)"
+                    f"line {start} (blocks cannot nest)"
                 )
             start = number
         elif marker == end:
@@ -226,7 +274,7 @@ def _blocks(cell: nbformat.NotebookNode, where: str) -> list[tuple[int, int]]:
             start = None
         elif mention.search(line):
             raise ValueError(
-                f"{where}, line {number}: a solution marker must be alone on its line, "
+                f"{where}, line {number}: a {kind} marker must be alone on its line, "
                 f"exactly {begin!r} or {end!r}; found {line.strip()!r}"
             )
     if start is not None:
@@ -271,11 +319,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.nbgrader:
                 failed += _nbgrader_command(path, args.check)
             elif args.check:
-                print(f"{path}: {len(find_solutions(path))} solution(s), markers well formed")
+                solutions, hidden = len(find_solutions(path)), len(find_hidden_tests(path))
+                print(f"{path}: {solutions} solution(s), {hidden} hidden test(s), well formed")
             else:
                 dst = args.output_dir / path.name
+                hidden = len(find_hidden_tests(path))
                 removed = make_student_version(path, dst)
-                print(f"{path} -> {dst}: {removed} solution(s) removed")
+                also = f", {hidden} hidden test(s)" if hidden else ""
+                print(f"{path} -> {dst}: {removed} solution(s) removed{also}")
         except (OSError, ValueError) as exc:  # nbformat's NotJSONError is a ValueError
             print(f"lsdl-student: error: {exc}", file=sys.stderr)
             failed += 1

@@ -461,3 +461,56 @@ def test_lab_nbgrader_metadata_matches_its_markers(path):
     for index, cell in enumerate(nb.cells):
         if "BEGIN SOLUTION" in cell.source or "END SOLUTION" in cell.source:
             assert cell.metadata.get("nbgrader", {}).get("solution"), f"cell {index}"
+
+
+HIDDEN_CHECKER = """\
+print("visible check")
+### BEGIN HIDDEN TESTS
+assert momentum_step(1.0, 1.0, 0.0, 0.5, 0.9)[0] == 0.5  # HIDDEN-1
+### END HIDDEN TESTS
+print("after the hidden tests")"""
+
+
+def test_hidden_tests_removed_like_nbgrader_and_only_in_checker_cells(tmp_path):
+    from lsdl_lab.student import find_hidden_tests
+
+    nb = new_notebook(cells=[new_code_cell(FUNCTION_EXERCISES), new_code_cell(HIDDEN_CHECKER)])
+    src = tmp_path / "lab09_hidden.ipynb"
+    nbformat.write(nb, src)
+    assert find_hidden_tests(src) == [Solution(1, 2, 4)]
+    assert nbgrader_metadata(src)[1]["grade"] is True  # a checker cell: allowed there
+    assert make_student_version(src, tmp_path / "out.ipynb") == 2
+    checker = nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[1].source
+    assert checker == 'print("visible check")\nprint("after the hidden tests")'
+    assert main(["--check", str(src)]) == 0
+
+    # hidden tests outside a checker cell would be lost from the autograded version
+    for cells in ([new_code_cell(HIDDEN_CHECKER)], [new_code_cell(SETUP + "\n" + HIDDEN_CHECKER)]):
+        nbformat.write(new_notebook(cells=cells), src)
+        with pytest.raises(ValueError, match="hidden tests must be in an exercise's checker"):
+            nbgrader_metadata(src)
+    unclosed = HIDDEN_CHECKER.replace("### END HIDDEN TESTS\n", "")
+    nbformat.write(new_notebook(cells=[new_code_cell(unclosed)]), src)
+    with pytest.raises(ValueError, match="without '### END HIDDEN TESTS'"):
+        find_hidden_tests(src)
+    inline = HIDDEN_CHECKER.replace("### END HIDDEN TESTS", "x = 1  # END HIDDEN TESTS")
+    nbformat.write(new_notebook(cells=[new_code_cell(inline)]), src)
+    with pytest.raises(ValueError, match="a hidden-test marker must be alone"):
+        find_hidden_tests(src)
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.name)
+def test_lab_hidden_tests_are_well_placed_and_hidden_from_students(path, tmp_path):
+    from lsdl_lab.student import find_hidden_tests
+
+    hidden = find_hidden_tests(path)
+    nbgrader_metadata(path)  # raises if one is outside a checker cell
+    make_student_version(path, tmp_path / path.name)
+    text = "\n".join(c.source for c in nbformat.read(tmp_path / path.name, as_version=4).cells)
+    assert "HIDDEN TESTS" not in text
+    source = nbformat.read(path, as_version=4)
+    for block in hidden:
+        lines = source.cells[block.cell].source.split("\n")[block.start_line : block.end_line - 1]
+        assert any(line.strip() for line in lines), f"cell {block.cell}: empty hidden tests"
+        for line in lines:
+            assert not line.strip() or line not in text, f"hidden line visible: {line}"
