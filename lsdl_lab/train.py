@@ -26,7 +26,9 @@ function of the step) and the checkpoint holds the model, the optimizer, the sch
 the random number generators and the history, a run stopped and resumed from its
 checkpoint computes exactly what an uninterrupted run computes (bit for bit on CPU;
 tested in ``tests/test_train.py``). Checkpoints are written atomically (a temporary file,
-``fsync``, rename), so a run killed while saving never leaves half a checkpoint.
+``fsync``, rename), so a run killed while saving never leaves half a checkpoint, and hold
+only tensors and plain containers, so they load with ``torch.load(..., weights_only=True)``
+(a checkpoint from elsewhere cannot run code when it is loaded).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from ._util import (
     eval_mode,
 )
 from .data import BatchSource
+from .scale import capped_steps
 
 __all__ = [
     "Classification",
@@ -338,23 +341,31 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(path, **state) -> Path:
-    """``torch.save(state)`` to ``path``, atomically (temporary file, fsync, rename)."""
+    """``torch.save(state)`` to ``path``, atomically (temporary file, fsync, rename).
+
+    ``state`` should hold only tensors, numbers, strings, ``None`` and lists, tuples or
+    dicts of them (what ``state_dict()`` methods return), so that :func:`load_checkpoint`
+    can read it with ``weights_only=True``."""
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
     return Path(path)
 
 
 def load_checkpoint(path, map_location=None) -> dict:
+    """Read a checkpoint with ``torch.load(..., weights_only=True)``: tensors and plain
+    containers only, so a checkpoint from elsewhere cannot run code when it is loaded (a
+    full unpickle can). A file that cannot be read so is a ``RuntimeError`` naming it."""
     path = Path(path)
     try:
-        # weights_only=False: the checkpoint holds RNG states and the history (plain
-        # Python objects) besides tensors, and is only ever one this loop wrote.
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise
     except Exception as e:  # torch.load raises pickle, zip and EOF errors of many kinds
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeError(
-            f"checkpoint {path} could not be read ({e}); delete it to start the run afresh"
+            f"checkpoint {path} could not be read with weights_only=True ({first}): it is "
+            "truncated or corrupt, or holds objects other than tensors and plain "
+            "containers; delete it to start the run afresh"
         ) from e
 
 
@@ -428,7 +439,8 @@ class _Schedule:
 
     @classmethod
     def of(cls, batches, steps, epochs, log_every, eval_every, checkpoint_every) -> _Schedule:
-        steps = _total_steps(batches, steps, epochs)
+        # capped_steps: the identity except in the dry run of tests/test_gpu_profile.py
+        steps = capped_steps(_total_steps(batches, steps, epochs))
         per_epoch = batches.steps_per_epoch if isinstance(batches, BatchSource) else None
 
         def every(name: str, value: int | None, default: int) -> int:

@@ -155,6 +155,37 @@ def test_corrupt_checkpoint_says_what_to_do(tmp_path):
         train.load_checkpoint(path)
 
 
+class _Payload:
+    """An object a full unpickle would rebuild (and could run code for)."""
+
+    def __reduce__(self):
+        return (print, ("this ran while loading a checkpoint",))
+
+
+def test_checkpoints_load_with_weights_only(tmp_path):
+    """What fit saves (model, optimizer, scheduler, a stateful step, history, RNG states)
+    loads with torch.load(weights_only=True); a checkpoint that needs a full unpickle is
+    refused, not run."""
+    batches, _ = image_batches()
+    model, opt, sched = make_resnet()
+    path = tmp_path / "c.pt"
+    step = CountingClippedStep()
+    train.fit(
+        model, opt, batches, steps=4, step=step, scheduler=sched, progress=False, checkpoint=path
+    )
+    state = torch.load(path, weights_only=True)
+    assert {"model", "optimizer", "scheduler", "step_fn", "history", "rng"} <= set(state)
+    assert state["step"] == 4 and torch.is_tensor(state["rng"]["torch"])
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": model.state_dict(), "x": _Payload()}, evil)
+    with pytest.raises(RuntimeError, match=f"checkpoint {evil} could not be read with "):
+        train.load_checkpoint(evil)
+    model, opt, sched = make_resnet()
+    with pytest.raises(RuntimeError, match="weights_only=True"):
+        train.fit(model, opt, batches, steps=4, progress=False, checkpoint=evil, resume=True)
+
+
 def test_non_finite_loss_names_the_step_and_spares_the_parameters():
     batches, _ = image_batches()
     model, opt, _ = make_resnet()

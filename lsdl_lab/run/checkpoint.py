@@ -24,6 +24,7 @@ checkpoint) is a :class:`CheckpointError` naming it, never a silent start from s
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -47,6 +48,15 @@ def save(path, **state) -> Path:
     return Path(path)
 
 
+def _damaged(path: Path, e: Exception) -> CheckpointError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return CheckpointError(
+        f"checkpoint {path} cannot be read: it is corrupt or truncated ({type(e).__name__}: "
+        f"{first}); the run does not start afresh over it: restore it, or delete it (or set "
+        "resume: false) to start from step 0"
+    )
+
+
 def load(path) -> dict:
     """Read the checkpoint at ``path`` (``weights_only=True``, on the CPU) and check that it
     is one; a missing file is ``FileNotFoundError``, anything else wrong a
@@ -56,12 +66,17 @@ def load(path) -> dict:
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # zip, EOF and unpickling errors of many kinds
+    except pickle.UnpicklingError as e:
+        if "Unsupported global" not in str(e):  # a damaged pickle, not a forbidden one
+            raise _damaged(path, e) from e
         raise CheckpointError(
-            f"checkpoint {path} is corrupt or truncated and cannot be read ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); the run does not start afresh over "
-            "it: restore it, or delete it (or set resume: false) to start from step 0"
+            f"checkpoint {path} cannot be read: it holds objects other than tensors and plain "
+            "containers, which weights_only=True refuses (unpickling them could run code); "
+            "the run does not start afresh over it: delete it (or set resume: false) to start "
+            "from step 0"
         ) from e
+    except Exception as e:  # zip and EOF errors of many kinds
+        raise _damaged(path, e) from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(
             f"checkpoint {path} is not a lsdl_lab.run checkpoint (expected format {FORMAT!r})"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -252,7 +253,10 @@ class _Counting(Strategy):
     @contextlib.contextmanager
     def communicating(self):
         self.counter.bytes = 0
-        with self.counter:
+        with self.counter, warnings.catch_warnings():
+            # ZeRO-3 gathers a unit's parameters in a backward pre-hook, which torch warns
+            # about for the first layer (its input needs no gradient): expected there
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
             yield
         self._bytes += self.counter.bytes
 

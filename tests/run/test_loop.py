@@ -1,0 +1,204 @@
+"""lsdl_lab.run.loop: equivalence of the data-parallel runs with one process, accumulation,
+compression, the NaN stop on every rank, exact resume and ZeRO re-partitioned on resume.
+
+The world-2 runs happen once per session in one spawned world (conftest.world2, gloo,
+float64); the one-process references run here.
+"""
+
+import math
+import shutil
+
+import pytest
+import torch
+from run_workers import BASE, CONSTANT, WORLD2, config, make
+
+from lsdl_lab import compress
+from lsdl_lab.run import Config, read_metrics, train
+from lsdl_lab.run.checkpoint import load
+
+# float64 sums of two ranks' halves against one process's whole batch differ in the last
+# bits; after a few Adam steps that is ~1e-16 (measured 5.6e-17 on the weights).
+TOL = 1e-12
+
+
+def _weights(path) -> dict:
+    return load(path / "checkpoint.pt")["model"]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, the same global batch: the trajectory every world-2 run must follow."""
+    root = tmp_path_factory.mktemp("single")
+    records = train(make(BASE, out_dir=str(root / "base")))
+    return [r["loss"] for r in records], _weights(root / "base")
+
+
+EQUIVALENT = [
+    "ddp",
+    "ddp_accumulate",
+    "zero1",
+    "zero2",
+    "zero2_accumulate",
+    "zero3",
+    "zero3_accumulate",
+    "fsdp2",
+    "fsdp2_accumulate",
+]
+
+
+def test_every_parallel_mode_follows_the_single_process_trajectory(world2, reference):
+    root, results = world2
+    ref_losses, ref_weights = reference
+    for name in EQUIVALENT:
+        records = results[0][name]
+        assert [r["step"] for r in records] == [1, 2, 3, 4], name
+        losses = [r["loss"] for r in records]
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOL, name
+        assert _max_diff(_weights(root / name), ref_weights) < TOL, name
+        assert results[1][name] == [], "only rank 0 returns the records"
+    assert ref_losses[0] > ref_losses[-1]  # it trained: not two untouched models compared
+
+
+def test_records_say_what_each_mode_holds_and_sends(world2):
+    root, results = world2
+    params = 8 * sum(t.numel() for t in _weights(root / "ddp").values())  # float64 bytes
+    last = {name: results[0][name][-1] for name in EQUIVALENT}
+    for name, record in last.items():
+        assert record["world_size"] == 2 and len(record["memory"]) == 2, name
+        assert record["examples_per_s"] > 0 and record["step_time_s"] > 0
+    # what each rank holds (measured with the step's gradients present)
+    assert last["ddp"]["memory"][0]["params"] == params
+    assert last["ddp"]["memory"][0]["grads"] == params
+    assert (
+        last["zero1"]["memory"][0]["optimizer_state"]
+        < 0.6 * last["ddp"]["memory"][0]["optimizer_state"]
+    )
+    assert last["zero2"]["memory"][0]["grads"] < 0.6 * params
+    assert last["zero3"]["memory"][0]["params"] < 0.6 * params
+    assert last["fsdp2"]["memory"][0]["params"] < 0.6 * params
+    # bytes handed to collectives per step: DDP all-reduces the gradients once; ZeRO-1/2
+    # reduce-scatter them (whole) and all-gather the updated shard; ZeRO-3 also gathers
+    # the parameters for the forward and backward passes; accumulation over k passes
+    # reduce-scatters k times with stage 2
+    per_step = {name: r["bytes_per_step"][0] for name, r in last.items()}
+    assert per_step["ddp"] == params
+    assert per_step["ddp_accumulate"] == params  # no_sync: one all-reduce per step
+    assert per_step["zero1"] == pytest.approx(1.5 * params, rel=0.01)
+    assert per_step["zero3"] == pytest.approx(2.0 * params, rel=0.01)
+    assert per_step["zero2_accumulate"] == pytest.approx(2.5 * params, rel=0.01)
+
+
+def test_compression_decreases_the_loss_and_logs_the_compressors_bytes(world2):
+    root, results = world2
+    records = results[0]["topk"]
+    losses = [r["loss"] for r in records]
+    assert sum(losses[-5:]) < 0.85 * sum(losses[:5])  # measured 2.28 -> 1.61 (one process)
+    weights = _weights(root / "topk")
+    n = sum(t.numel() for t in weights.values())
+    # one bucket holds every gradient (a few KB, under DDP's 25 MB cap): per step, the
+    # payload of top-k on n float64 entries, as the compressor itself counts it
+    payload = compress.TopK(WORLD2["topk"]["compression_ratio"]).compress(
+        torch.randn(n, dtype=torch.float64)
+    )
+    expected = compress.payload_nbytes(payload)
+    assert expected < 0.3 * 8 * n
+    for r in records:
+        assert r["bytes_per_step"] == [expected, expected]
+    assert records[-1]["bytes_sent"] == [expected * len(records)] * 2
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_naming_the_step(world2):
+    _, results = world2
+    for rank in (0, 1):
+        message = results[rank]["nan"]
+        assert message.startswith(f"rank {rank}: the training loss became nan at step 2")
+    records = read_metrics(config("nan", world2[0]).out_dir + "/metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]  # steps 0 and 1 done, step 2 not
+
+
+def test_zero_state_is_repartitioned_when_resumed_on_another_world_size(world2, tmp_path):
+    root, _ = world2
+    # a 3-step run at world 2, resumed for 5 steps on one process with ZeRO-2
+    resumed = tmp_path / "zero2_resumed"
+    resumed.mkdir()
+    shutil.copy(root / "zero2_3_steps" / "checkpoint.pt", resumed / "checkpoint.pt")
+    state = load(resumed / "checkpoint.pt")
+    assert state["world_size"] == 2 and state["step"] == 3
+    assert "exp_avg" in state["optimizer"]["state"]["net.1.weight"]
+    records = train(make(CONSTANT, parallel="zero2", steps=5, out_dir=str(resumed)))
+    assert [r["step"] for r in records] == [4, 5]
+    assert records[0]["world_size"] == 1
+    assert _max_diff(_weights(resumed), _weights(root / "zero2_5_steps")) < TOL
+    # and the same checkpoint resumed without ZeRO (plain, one process)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    shutil.copy(root / "zero2_3_steps" / "checkpoint.pt", plain / "checkpoint.pt")
+    train(make(CONSTANT, parallel="ddp", steps=5, out_dir=str(plain)))
+    assert _max_diff(_weights(plain), _weights(root / "zero2_5_steps")) < TOL
+
+
+def test_a_resumed_run_computes_exactly_what_an_uninterrupted_one_does(tmp_path):
+    whole = train(make(CONSTANT, steps=5, out_dir=str(tmp_path / "whole")))
+    part = tmp_path / "part"
+    train(make(CONSTANT, steps=3, out_dir=str(part)))
+    resumed = train(make(CONSTANT, steps=5, out_dir=str(part)))
+    a, b = _weights(tmp_path / "whole"), _weights(part)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]  # one log, 1..5
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    state = load(part / "checkpoint.pt")
+    assert state["step"] == 5 and state["scheduler"]["last_epoch"] == 5
+    # a finished run resumed again does nothing
+    again = train(make(CONSTANT, steps=5, out_dir=str(part)))
+    assert [r["step"] for r in again] == [1, 2, 3, 4, 5]
+
+
+def test_mixed_precision_and_activation_checkpointing_train(tmp_path):
+    plain = train(make(BASE, steps=3, dtype="float32", out_dir=str(tmp_path / "plain")))
+    recompute = train(
+        make(
+            BASE,
+            steps=3,
+            dtype="float32",
+            activation_checkpoint=2,
+            checkpoint_impl="lsdl",
+            out_dir=str(tmp_path / "ckpt"),
+        )
+    )
+    # recomputation changes memory, not arithmetic
+    assert [r["loss"] for r in recompute] == [r["loss"] for r in plain]
+    for precision in ("bf16", "fp16"):
+        records = train(
+            make(
+                BASE,
+                steps=3,
+                dtype="float32",
+                precision=precision,
+                out_dir=str(tmp_path / precision),
+            )
+        )
+        losses = [r["loss"] for r in records]
+        assert all(math.isfinite(x) for x in losses)
+        assert abs(losses[0] - plain[0]["loss"]) < 0.05  # 16-bit forward, same model
+        assert ("loss_scale" in records[-1]) == (precision == "fp16")
+
+
+def test_bad_combinations_are_refused_naming_the_option(tmp_path):
+    cases = [
+        (dict(micro_batch=5), "Invalid micro_batch: 5 .*divisor of global_batch / world size = 32"),
+        (dict(parallel="zero1", micro_batch=8), "Invalid micro_batch: 8 with parallel='zero1'"),
+        (dict(parallel="zero2", optimizer="LAMB"), "Invalid optimizer: 'LAMB' with parallel"),
+        (dict(parallel="fsdp2", compression="topk"), "Invalid compression: 'topk'"),
+        (dict(warmup_steps=4), r"Invalid warmup_steps: 4 \(expected an int in \[0, 3\]"),
+        (dict(global_batch=1000), r"Invalid global_batch: 1000 \(expected an int in \[1, 512\]"),
+        (dict(optimizer="SM3", weight_decay=0.1), "Invalid weight_decay: 0.1"),
+        (dict(data="python_source"), "Invalid data: 'python_source'"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(ValueError, match=message):
+            train(Config(**{**BASE, **changes, "out_dir": str(tmp_path / "bad")}))
