@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from ._util import check_int, check_real
 from .memory.measure import measure
 from .optim.second_order import SecondOrderOptimizer
+from .scale import capped_steps
 
 __all__ = ["Run", "race", "relative_cost", "state_bytes", "train_run"]
 
@@ -115,13 +117,16 @@ def train_run(
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     evaluate: Callable[[nn.Module], float] | None = None,
     eval_every: int = 1,
+    progress: bool = True,
 ) -> Run:
     """Train ``model`` with ``optimizer`` for ``steps`` steps on ``batches(t)`` (``t = 0,
     1, ...``) and record a :class:`Run`. ``evaluate(model)`` gives the loss compared with
     targets (default: the training batch's loss before the step, as most training loops
     log); it runs in evaluation mode, without gradients, every ``eval_every`` steps and
-    after the last. A loss that is not finite ends the run (``diverged``)."""
-    steps = check_int("steps", steps, 1)
+    after the last. A loss that is not finite ends the run (``diverged``). ``progress``
+    shows a bar of the steps."""
+    # capped_steps: the identity except in the dry run of tests/test_gpu_profile.py
+    steps = capped_steps(check_int("steps", steps, 1))
     eval_every = check_int("eval_every", eval_every, 1)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     device = params[0].device if params else torch.device("cpu")
@@ -129,7 +134,7 @@ def train_run(
     closure_style = isinstance(optimizer, SecondOrderOptimizer)
     backward = getattr(optimizer, "backward", None) or (lambda loss: loss.backward())
     elapsed = 0.0
-    for t in range(steps):
+    for t in tqdm(range(steps), desc=name, disable=not progress, leave=False):
         x, y = batches(t)
         model.train()
         _sync(device)

@@ -10,6 +10,16 @@ profile with :meth:`Profile.pick`::
 
     P, device = setup()                    # prints "lsdl_lab: profile 'cpu' on cpu ..."
     epochs = P.pick(smoke=1, cpu=8, gpu=30)
+
+A *dry run* proves a profile on a machine that could not afford it: the project's test
+(``tests/test_gpu_profile.py``) runs every lab at ``gpu`` on a CPU with two caps set in
+the environment. ``LSDL_MAX_STEPS`` caps the number of iterations of every loop (the
+steps of :func:`lsdl_lab.train.fit` and :func:`lsdl_lab.races.race`, the labs' own loops,
+through :func:`capped_steps`); ``LSDL_MAX_EXAMPLES`` caps the examples of every batch and
+measured subset (through :func:`capped_examples`). The models, the sizes of an example
+(32x32 colour images, contexts of 256 characters) and the code paths stay those of the
+profile; only how long each loop runs and how many examples each batch holds shrink.
+Neither variable is set at any real profile, where both functions return their argument.
 """
 
 from __future__ import annotations
@@ -24,10 +34,22 @@ import torch
 
 from ._util import check_choice, check_int
 
-__all__ = ["PROFILES", "Profile", "current", "device_for", "seed_everything", "setup"]
+__all__ = [
+    "PROFILES",
+    "Profile",
+    "capped_examples",
+    "capped_steps",
+    "current",
+    "device_for",
+    "dry_run",
+    "seed_everything",
+    "setup",
+]
 
 T = TypeVar("T")
 ENV_VAR = "LSDL_SCALE"
+MAX_STEPS_VAR = "LSDL_MAX_STEPS"
+MAX_EXAMPLES_VAR = "LSDL_MAX_EXAMPLES"
 
 
 @dataclass(frozen=True)
@@ -125,6 +147,53 @@ def current(name: str | None = None) -> Profile:
     if not name:
         return PROFILES["gpu" if torch.cuda.is_available() else "cpu"]
     return PROFILES[check_choice(f"{ENV_VAR} (environment variable)", name, list(PROFILES))]
+
+
+def _cap(var: str) -> int | None:
+    value = os.environ.get(var, "").strip()
+    if not value:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(
+            f"Invalid {var} (environment variable): {value!r} (expected an integer >= 1, "
+            "or unset outside a dry run)"
+        )
+    return number
+
+
+def dry_run() -> dict[str, int] | None:
+    """The caps of a dry run (``{"max_steps": ..., "max_examples": ...}``, an unset one
+    absent), or None outside one. See the module's docstring."""
+    caps = {"max_steps": _cap(MAX_STEPS_VAR), "max_examples": _cap(MAX_EXAMPLES_VAR)}
+    caps = {k: v for k, v in caps.items() if v is not None}
+    return caps or None
+
+
+def capped_steps(n: T) -> T:
+    """``n`` iterations of a loop, or at most ``$LSDL_MAX_STEPS`` of them in a dry run.
+
+    The identity at every real profile. A loop whose length a lab or the library picks
+    goes through it (``for t in range(capped_steps(steps))``) so that the dry run of
+    ``tests/test_gpu_profile.py`` executes every loop of the ``gpu`` profile briefly."""
+    cap = _cap(MAX_STEPS_VAR)
+    n = check_int("n", n, 0)
+    return n if cap is None else min(n, cap)
+
+
+def capped_examples(n: T) -> T:
+    """``n`` examples (of a batch, an evaluation batch, a measured subset), or at most
+    ``$LSDL_MAX_EXAMPLES`` of them in a dry run. The identity at every real profile.
+    ``None`` (a whole training set) stays ``None``: a data set keeps its size, so the
+    batch sizes and steps per epoch computed from it are the profile's."""
+    cap = _cap(MAX_EXAMPLES_VAR)
+    if n is None:
+        return None
+    n = check_int("n", n, 0)
+    return n if cap is None else min(n, cap)
 
 
 def device_for(profile: Profile) -> torch.device:

@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lsdl_lab import scale
 
@@ -62,3 +63,80 @@ def test_setup_prints_profile_and_device(capsys, monkeypatch):
 def test_bad_seed(seed, error):
     with pytest.raises(error, match="Invalid seed"):
         scale.seed_everything(seed)
+
+
+# --- the dry run's caps (tests/test_gpu_profile.py) ---------------------------------------
+
+
+@pytest.fixture
+def no_caps(monkeypatch):
+    monkeypatch.delenv(scale.MAX_STEPS_VAR, raising=False)
+    monkeypatch.delenv(scale.MAX_EXAMPLES_VAR, raising=False)
+
+
+@pytest.fixture
+def caps(monkeypatch):
+    monkeypatch.setenv(scale.MAX_STEPS_VAR, "2")
+    monkeypatch.setenv(scale.MAX_EXAMPLES_VAR, "16")
+
+
+def test_caps_are_the_identity_outside_a_dry_run(no_caps):
+    assert scale.dry_run() is None
+    assert scale.capped_steps(20_000) == 20_000
+    assert scale.capped_examples(4096) == 4096 and scale.capped_examples(None) is None
+
+
+def test_caps_of_a_dry_run(caps):
+    assert scale.dry_run() == {"max_steps": 2, "max_examples": 16}
+    assert [scale.capped_steps(n) for n in (0, 1, 2, 20_000)] == [0, 1, 2, 2]
+    assert [scale.capped_examples(n) for n in (8, 16, 4096)] == [8, 16, 16]
+    assert scale.capped_examples(None) is None  # a whole training set keeps its size
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "two", "1.5"])
+def test_a_bad_cap_names_its_variable(monkeypatch, value):
+    monkeypatch.setenv(scale.MAX_STEPS_VAR, value)
+    with pytest.raises(ValueError, match=r"Invalid LSDL_MAX_STEPS \(environment variable\)"):
+        scale.capped_steps(10)
+
+
+def _tiny_classifier():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+
+
+def test_loops_and_batches_honour_the_caps(caps):
+    from lsdl_lab import data, races, train
+
+    x, y = torch.randn(200, 4), torch.randint(0, 3, (200,))
+    batches = data.ImageBatches(x, y, 64)
+    assert batches.steps_per_epoch == 3  # the data set and its epochs keep their sizes
+    assert batches(0)[0].shape == (16, 4)
+    model = _tiny_classifier()
+    history = train.fit(model, torch.optim.SGD(model.parameters(), 0.1), batches, epochs=30)
+    assert [r["step"] for r in history.train] == [1, 2]
+    run = races.train_run(
+        "SGD", model, torch.optim.SGD(model.parameters(), 0.1), batches, 500, F.cross_entropy
+    )
+    assert run.steps == 2
+    evaluation = data.eval_batches(x, y, 50)
+    assert [len(b) for b, _ in evaluation] == [16, 16]
+    tokens = torch.arange(1000) % 7
+    text = data.TextBatches(tokens, 8, 64)
+    assert text(0)[0].shape == (2, 8)  # 16 examples are 16 tokens: two windows of 8
+    assert [b.shape for b, _ in data.text_eval_batches(tokens, 8, 64)] == [(2, 8), (2, 8)]
+    assert data.TextBatches(tokens, 100, 64)(0)[0].shape == (1, 100)  # one window at least
+
+
+def test_loops_and_batches_unchanged_without_caps(no_caps):
+    from lsdl_lab import data, train
+
+    x, y = torch.randn(200, 4), torch.randint(0, 3, (200,))
+    batches = data.ImageBatches(x, y, 64)
+    assert batches(0)[0].shape == (64, 4)
+    model = _tiny_classifier()
+    history = train.fit(
+        model, torch.optim.SGD(model.parameters(), 0.1), batches, epochs=3, log_every=1
+    )
+    assert len(history.train) == 9
+    assert [len(b) for b, _ in data.eval_batches(x, y, 50)] == [50] * 4

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .._util import check_bool, check_int, check_tensor, generator
+from ..scale import capped_examples, capped_steps
 
 __all__ = [
     "BatchSource",
@@ -161,6 +162,7 @@ class ImageBatches(_ShuffledExamples):
         step = check_int("step", step, 0)
         epoch, i = divmod(step, self.steps_per_epoch)
         idx = self.permutation(epoch)[i * self.batch_size : (i + 1) * self.batch_size]
+        idx = idx[: capped_examples(len(idx))]  # all of it, except in a dry run (scale.py)
         xb, yb = self.x[idx], self.y[idx]
         if self.augment:
             xb = random_crop_flip(xb, generator("augment", self.seed, step))
@@ -170,10 +172,12 @@ class ImageBatches(_ShuffledExamples):
 def eval_batches(x, y, batch_size: int, max_batches: int | None = None, device=None) -> list:
     """``(xb, yb)`` batches in order, no shuffle, the last one possibly smaller."""
     x, y = _examples(x, y, empty=True)
-    batch_size = check_int("batch_size", batch_size, 1)
+    # capped_*: the identity, except in a dry run (lsdl_lab.scale)
+    batch_size = capped_examples(check_int("batch_size", batch_size, 1))
     n_batches = math.ceil(len(x) / batch_size)
     if max_batches is not None:
         n_batches = min(n_batches, check_int("max_batches", max_batches, 1))
+    n_batches = capped_steps(n_batches)
     return [
         (x[i : i + batch_size].to(device), y[i : i + batch_size].to(device))
         for i in range(0, n_batches * batch_size, batch_size)
@@ -188,6 +192,12 @@ def _windows(tokens, block_size, batch_size) -> tuple[torch.Tensor, int, int]:
         raise ValueError(f"Invalid tokens: {len(tokens)} tokens (expected at least 2)")
     block_size = check_int("block_size", block_size, 1, len(tokens) - 1)
     return tokens, block_size, check_int("batch_size", batch_size, 1)
+
+
+def _capped_rows(batch_size: int, block_size: int) -> int:
+    """``batch_size`` windows, except in a dry run (:mod:`lsdl_lab.scale`), whose cap on
+    examples counts tokens, the examples of a language model's loss (at least one window)."""
+    return max(1, capped_examples(batch_size * block_size) // block_size)
 
 
 class TextBatches(BatchSource):
@@ -209,7 +219,8 @@ class TextBatches(BatchSource):
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         step = check_int("step", step, 0)
         g = generator("text", self.seed, step)
-        starts = torch.randint(len(self.tokens) - self.block_size, (self.batch_size,), generator=g)
+        rows = _capped_rows(self.batch_size, self.block_size)
+        starts = torch.randint(len(self.tokens) - self.block_size, (rows,), generator=g)
         windows = self.tokens[starts.to(self.tokens.device)[:, None] + self._span]
         return windows[:, :-1], windows[:, 1:]
 
@@ -219,10 +230,12 @@ def text_eval_batches(
 ) -> list:
     """Contiguous, non-overlapping windows in order, batched; the last batch may be smaller."""
     tokens, block_size, batch_size = _windows(tokens, block_size, batch_size)
+    batch_size = _capped_rows(batch_size, block_size)
     n_windows = (len(tokens) - 1) // block_size
     starts = torch.arange(n_windows) * block_size
     if max_batches is not None:
         starts = starts[: check_int("max_batches", max_batches, 1) * batch_size]
+    starts = starts[: capped_steps(math.ceil(len(starts) / batch_size)) * batch_size]
     windows = tokens[starts[:, None] + torch.arange(block_size + 1)].to(device)
     return [(w[:, :-1], w[:, 1:]) for w in windows.split(batch_size)]
 
@@ -302,4 +315,5 @@ class GrowingBatches(_ShuffledExamples):
         b = self.batch_size_of_epoch(e)
         i = step - self._starts[e]
         idx = self.permutation(e)[i * b : (i + 1) * b]
+        idx = idx[: capped_examples(len(idx))]  # all of it, except in a dry run (scale.py)
         return self.x[idx], self.y[idx]

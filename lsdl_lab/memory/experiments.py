@@ -28,9 +28,11 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from .._util import check_choice, check_int, check_positive
 from ..models import GPT
+from ..scale import capped_steps
 from .checkpoint import sweep
 from .measure import SavedTensorBytes, measure
 from .precision import LossScaler, amp_step
@@ -160,7 +162,8 @@ def train_curves(
         model = new_model()
         opt = make(model.parameters())
         losses = []
-        for t in range(steps):
+        # capped_steps: the identity, except in a dry run (lsdl_lab.scale)
+        for t in tqdm(range(capped_steps(steps)), desc=name, leave=False):
             x, y = batches(t)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
