@@ -59,11 +59,11 @@ plays the part of a weight penalty's curvature.
 
 **What limits the model's size.** Not a matrix (unlike :class:`~lsdl_lab.optim.Newton`, HF
 never forms one): memory. Beside the closure's graph (kept through the whole step, with the
-graph of :math:`J^\top u` that the products differentiate), HF holds vectors of the model's
-size: the gradient, CG's right-hand side, iterate, residual, direction and product, the
-product's temporary, the damping and learning-rate vectors, the saved direction of the warm
-start and the copy of the weights a step starts from (:data:`VECTORS`, 11), and with
-backtracking the kept iterates (14 for ``cg_iters=50``). A first-order method holds two to
+graph of :math:`J^\top u` that the products differentiate), HF holds, at the peak of its
+CG solve, vectors of the model's size: the gradient; CG's right-hand side, iterate,
+residual, direction and product; two temporaries of a product; the damping vector; the warm
+start and the saved direction (:data:`VECTORS`, 11), and with backtracking the kept
+iterates (14 for ``cg_iters=50``). A first-order method holds two to
 four such vectors (Adam: the gradient and two moments). HF refuses, when it is built, a
 model whose vectors would not fit in ``max_bytes`` (default: the memory available on the
 parameters' device at that moment, :func:`available_bytes`), and says how much they need,
@@ -237,13 +237,13 @@ class HessianFree(SecondOrderOptimizer):
         if need > limit:
             raise ValueError(
                 f"Invalid params: {size:,} parameters: HessianFree would hold {VECTORS + kept} "
-                f"vectors of that size (the gradient, CG's five, the damping and learning-rate "
-                f"vectors, the warm start, the weights a step starts from"
+                f"vectors of that size (the gradient, CG's five, two temporaries of a product, "
+                f"the damping, the warm start and the saved direction"
                 + (f", {kept} kept CG iterates" if kept else "")
                 + f"), {need / 2**30:.2f} GiB, more than the {limit / 2**30:.2f} GiB "
                 + ("available on " + str(device) if group["max_bytes"] is None
                    else f"of max_bytes={limit:,}")
-                + "; use a first-order method or K-FAC, a smaller model, or float32 weights"
+                + "; use a first-order method or K-FAC, or a smaller model"
             )  # fmt: skip
 
     def warm_start(self, params: list[Tensor], decay: float) -> Tensor | None:

@@ -1,4 +1,5 @@
-"""Tests of lsdl_lab.curvature.gauss_newton: the GGN and the Fisher against curvlinops 3.0.1
+"""Tests of lsdl_lab.curvature.gauss_newton: the GGN and the Fisher (and the Hessian operator
+beside them) against curvlinops 3.0.1
 (float64, a 2-layer MLP and a tiny CNN, both reductions of cross-entropy and squared error),
 against independent dense computations (per-example gradients, the Hessian of a linear
 model), in expectation, through the probes, and on bad input."""
@@ -44,6 +45,10 @@ def test_ggn_fisher_and_empirical_fisher_equal_curvlinops(make, loss_name):
     params = list(model.parameters())
     eye = torch.eye(sum(p.numel() for p in params), dtype=torch.float64)
     pairs = [
+        (
+            cv.HessianOperator(model, loss, data),
+            cl.HessianLinearOperator(model, loss, params, data),
+        ),
         (cv.GGNOperator(model, loss, data), cl.GGNLinearOperator(model, loss, params, data)),
         (
             cv.FisherOperator(model, loss, data, empirical=True),

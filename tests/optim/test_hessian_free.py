@@ -201,7 +201,7 @@ def test_cg_backtracking_takes_the_best_kept_iterate_on_the_loss(lrs):
 
 def test_a_model_whose_vectors_do_not_fit_is_refused_with_the_reason():
     model = MLP(64, 10, hidden=128, depth=1)  # 8,320 + 1,290 = 9,610 float32 parameters
-    need = 11 * 9_610 * 4  # the gradient, CG's five, ..., the weights a step starts from
+    need = 11 * 9_610 * 4  # the gradient, CG's five, ..., the warm start, the saved direction
     reason = r"9,610 parameters: HessianFree would hold 11 vectors .* of max_bytes=400,000"
     with pytest.raises(ValueError, match=reason):
         optim.HessianFree(model.parameters(), max_bytes=400_000)
