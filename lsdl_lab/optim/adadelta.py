@@ -20,7 +20,7 @@ import torch
 
 from .._util import check_fraction
 from .base import Optimizer
-from .pieces import coupled_weight_decay
+from .pieces import add_scaled_, coupled_weight_decay
 
 __all__ = ["Adadelta"]
 
@@ -37,9 +37,10 @@ class Adadelta(Optimizer):
         weight_decay: float = 0.0,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def check(self, group):
         check_fraction("rho value", group["rho"], closed=True)
@@ -70,4 +71,4 @@ class Adadelta(Optimizer):
         torch._foreach_mul_(delta, grads)
         torch._foreach_mul_(u, rho)
         torch._foreach_addcmul_(u, delta, delta, 1 - rho)
-        torch._foreach_add_(params, delta, alpha=-lr)
+        add_scaled_(params, delta, -lr)

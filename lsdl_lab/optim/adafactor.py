@@ -71,7 +71,7 @@ from torch import Tensor
 
 from .._util import check_nonnegative, check_real
 from .base import Optimizer
-from .pieces import decoupled_weight_decay_
+from .pieces import decoupled_weight_decay_, smaller
 
 __all__ = ["Adafactor"]
 
@@ -95,6 +95,7 @@ class Adafactor(Optimizer):
         scale_parameter: bool = True,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -107,7 +108,7 @@ class Adafactor(Optimizer):
             relative_step=relative_step,
             scale_parameter=scale_parameter,
         )
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def check(self, group):
         # c = -1 averages all squared gradients alike (1 - beta2_t = 1/t); c < -1 would weigh
@@ -154,7 +155,7 @@ class Adafactor(Optimizer):
         if group["eps1"] is None:  # torch.optim's default: the dtype's machine epsilon
             eps1 = [torch.finfo(p.dtype).eps for p in params]
         t = self.count_steps(params)
-        alpha = [min(lr, 1 / k**0.5) if group["relative_step"] else lr for k in t]  # rho_t
+        alpha = [smaller(lr, 1 / k**0.5) if group["relative_step"] else lr for k in t]  # rho_t
         if group["scale_parameter"]:  # RMS(W_{t-1}), before the weight decay
             alpha = torch._foreach_mul(self.clamped_rms(params, 1.0, eps2), alpha)
         decoupled_weight_decay_(params, lr, group["weight_decay"])

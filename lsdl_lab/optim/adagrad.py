@@ -38,6 +38,7 @@ class Adagrad(Optimizer):
         eps: float = 1e-10,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -46,7 +47,7 @@ class Adagrad(Optimizer):
             initial_accumulator_value=initial_accumulator_value,
             eps=eps,
         )
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def check(self, group):
         check_nonnegative("lr_decay value", group["lr_decay"])

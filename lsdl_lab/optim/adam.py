@@ -25,7 +25,13 @@ from __future__ import annotations
 import torch
 
 from .base import Optimizer
-from .pieces import adam_denominator, adam_moments_, coupled_weight_decay, decoupled_weight_decay_
+from .pieces import (
+    adam_denominator,
+    adam_moments_,
+    addcdiv_,
+    coupled_weight_decay,
+    decoupled_weight_decay_,
+)
 
 __all__ = ["Adam", "AdamW"]
 
@@ -44,6 +50,7 @@ class Adam(Optimizer):
         amsgrad: bool = False,
         *,
         foreach: bool = True,
+        compile: bool = False,
         decoupled_weight_decay: bool = False,
     ):
         defaults = dict(
@@ -54,7 +61,7 @@ class Adam(Optimizer):
             amsgrad=amsgrad,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def update(self, group, params, grads):
         r"""Adam's step (Kingma and Ba, 2015, Algorithm 1), with AMSGrad (Reddi et al., 2018)
@@ -89,7 +96,7 @@ class Adam(Optimizer):
             torch._foreach_maximum_(v_max, v)
             v = v_max
         denom = adam_denominator(v, [1 - beta2**k for k in t], eps)
-        torch._foreach_addcdiv_(params, m, denom, [-lr / (1 - beta1**k) for k in t])
+        addcdiv_(params, m, denom, [-lr / (1 - beta1**k) for k in t])
 
 
 class AdamW(Adam):
@@ -106,8 +113,9 @@ class AdamW(Adam):
         amsgrad: bool = False,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad,
-            foreach=foreach, decoupled_weight_decay=True,
+            foreach=foreach, compile=compile, decoupled_weight_decay=True,
         )  # fmt: skip

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .base import Optimizer
-from .pieces import coupled_weight_decay
+from .pieces import addcdiv_, coupled_weight_decay
 
 __all__ = ["Adamax"]
 
@@ -35,6 +35,7 @@ class Adamax(Optimizer):
         weight_decay: float = 0.0,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -42,7 +43,7 @@ class Adamax(Optimizer):
             eps=eps,
             weight_decay=weight_decay,
         )
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def update(self, group, params, grads):
         r"""Adamax's step (Kingma and Ba, 2015, Section 7.1, Algorithm 2), with
@@ -65,4 +66,4 @@ class Adamax(Optimizer):
         abs_g = torch._foreach_abs(grads)
         torch._foreach_add_(abs_g, eps)
         torch._foreach_maximum_(u, abs_g)
-        torch._foreach_addcdiv_(params, m, u, [-lr / (1 - beta1**k) for k in t])
+        addcdiv_(params, m, u, [-lr / (1 - beta1**k) for k in t])

@@ -19,7 +19,9 @@ The base class does the rest:
   multi-tensor call per group (``foreach=True``, the default) and one call per parameter
   (``foreach=False``: the same ``update`` on lists of length one, which lowers peak memory
   because no temporary spans all parameters at once). There is no second, slow copy of
-  the mathematics.
+  the mathematics;
+* the compiled path (``compile=True``, :mod:`lsdl_lab.optim.compiled`): the same ``update``
+  through ``torch.compile``, each parameter's operations fused into one pass over memory.
 
 Sparse gradients and complex parameters are refused with a clear error: none of the
 book's models has them, and supporting them would double every update rule.
@@ -34,6 +36,7 @@ import torch
 from torch import Tensor
 
 from .._util import check_bool, check_nonnegative, check_real
+from .compiled import CompiledUpdate
 
 __all__ = ["Optimizer", "check_betas"]
 
@@ -51,12 +54,32 @@ def check_betas(betas) -> tuple[float, float]:
 
 
 class Optimizer(torch.optim.Optimizer):
-    """Base of the book's optimizers; a subclass defines ``check`` and ``update``."""
+    """Base of the book's optimizers; a subclass defines ``check`` and ``update``.
 
-    def __init__(self, params: Iterable, defaults: dict, foreach: bool = True):
+    ``compile=True`` runs ``update`` through ``torch.compile`` (:mod:`.compiled`); it needs
+    ``foreach=True`` (the compiled update is one graph per group, with no temporary the size
+    of the model to save). ``compiled`` is then the :class:`~.compiled.CompiledUpdate`
+    (its ``compiles``, ``compile_seconds`` and ``failure``), else None.
+    """
+
+    #: Why ``update`` cannot run through ``torch.compile(fullgraph=True)``, for a subclass
+    #: that knows it cannot (it then warns once and runs eagerly); empty when it can.
+    not_compilable: str = ""
+
+    def __init__(
+        self, params: Iterable, defaults: dict, foreach: bool = True, compile: bool = False
+    ):
         self.foreach = check_bool("foreach", foreach)
+        self.compile = check_bool("compile", compile)
+        if compile and not foreach:
+            raise ValueError(
+                "Invalid foreach: False with compile=True (expected True: the compiled update "
+                "fuses each parameter's operations, with no model-sized temporary to save)"
+            )
         self._check_group(defaults)
         super().__init__(params, defaults)
+        self.step_counts: Tensor | None = None  # the compiled path's counts, during a step
+        self.compiled = CompiledUpdate(self) if compile else None
 
     # -- what a subclass provides ---------------------------------------------------------
 
@@ -136,8 +159,14 @@ class Optimizer(torch.optim.Optimizer):
     def has_state(self, params: list[Tensor], name: str) -> bool:
         return all(name in self.state[p] for p in params)
 
-    def count_steps(self, params: list[Tensor]) -> list[int]:
-        """Add one to each parameter's step count t and return the counts (t = 1 first)."""
+    def count_steps(self, params: list[Tensor]) -> list[int] | Tensor:
+        """Add one to each parameter's step count t and return the counts (t = 1 first).
+
+        On the compiled path the counts were added before the graph (they stay Python ints
+        in the state, as eagerly) and come back as one float64 tensor, whose elements are
+        0-d tensors: a new count is a new input, not a new graph."""
+        if torch.compiler.is_compiling():
+            return self.step_counts
         steps = []
         for p in params:
             state = self.state[p]
@@ -159,13 +188,21 @@ class Optimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             if not params:
                 continue
-            if self.foreach:
+            if self.compiled is not None:
+                self.compiled(group, params, [p.grad for p in params])
+            elif self.foreach:
                 self.update(group, params, [p.grad for p in params])
             else:
                 for p in params:
                     self.update(group, [p], [p.grad])
         return loss
 
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "foreach": self.foreach, "compile": self.compile}
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("foreach", True)
+        self.__dict__.setdefault("compile", False)
+        self.step_counts = None
+        self.compiled = CompiledUpdate(self) if self.compile else None

@@ -63,7 +63,13 @@ import torch
 
 from .base import Optimizer
 from .layerwise import trust_ratio
-from .pieces import adam_denominator, adam_moments_, adam_ratio, decoupled_weight_decay_
+from .pieces import (
+    adam_denominator,
+    adam_moments_,
+    adam_ratio,
+    addcdiv_,
+    decoupled_weight_decay_,
+)
 
 __all__ = ["LAMB"]
 
@@ -96,6 +102,7 @@ class LAMB(Optimizer):
         clamp: tuple[float, float] | None = None,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -106,7 +113,7 @@ class LAMB(Optimizer):
             trust=trust,
             clamp=tuple(clamp) if isinstance(clamp, list) else clamp,
         )
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def check(self, group):
         check_clamp(group["clamp"])
@@ -145,4 +152,4 @@ class LAMB(Optimizer):
         else:  # AdamW's pieces in AdamW's order: AdamW bit for bit
             decoupled_weight_decay_(params, lr, lam)
             denom = adam_denominator(v, bc2, eps)
-            torch._foreach_addcdiv_(params, m, denom, [-lr / c for c in bc1])
+            addcdiv_(params, m, denom, [-lr / c for c in bc1])

@@ -55,7 +55,7 @@ import torch
 from .._util import check_positive, check_real
 from .base import Optimizer
 from .layerwise import trust_ratio
-from .pieces import coupled_weight_decay, momentum
+from .pieces import add_scaled_, coupled_weight_decay, momentum
 
 __all__ = ["LARS"]
 
@@ -75,6 +75,7 @@ class LARS(Optimizer):
         trust: bool = True,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -85,7 +86,7 @@ class LARS(Optimizer):
             nesterov=nesterov,
             trust=trust,
         )
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def check(self, group):
         check_real("momentum value", group["momentum"], 0.0, 1.0, high_open=True)
@@ -125,4 +126,4 @@ class LARS(Optimizer):
             first = not self.has_state(params, "momentum_buffer")
             b = self.buffer(params, "momentum_buffer", like=d)
             d = momentum(b, d, mu, 0.0, group["nesterov"], first)
-        torch._foreach_add_(params, d, alpha=-lr)
+        add_scaled_(params, d, -lr)

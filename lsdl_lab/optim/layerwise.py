@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .._util import check_nonnegative
+from .pieces import host_scalars
 
 __all__ = ["param_groups_for_layerwise", "trust_ratio"]
 
@@ -48,7 +49,7 @@ def trust_ratio(
     phi = w_norm.clamp(*clamp) if clamp is not None else w_norm
     denom = u_norm + weight_decay * w_norm
     tau = trust_coefficient * phi / (denom + eps)
-    return torch.where((w_norm > 0) & (denom > 0), tau, 1.0).tolist()
+    return host_scalars(torch.where((w_norm > 0) & (denom > 0), tau, 1.0))
 
 
 def param_groups_for_layerwise(

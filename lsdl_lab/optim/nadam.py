@@ -29,8 +29,10 @@ from .base import Optimizer
 from .pieces import (
     adam_denominator,
     adam_moments_,
+    addcdiv_,
     coupled_weight_decay,
     decoupled_weight_decay_,
+    host_scalars,
 )
 
 __all__ = ["NAdam"]
@@ -50,6 +52,7 @@ class NAdam(Optimizer):
         decoupled_weight_decay: bool = False,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -59,7 +62,7 @@ class NAdam(Optimizer):
             momentum_decay=momentum_decay,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def check(self, group):
         check_nonnegative("momentum_decay value", group["momentum_decay"])
@@ -101,11 +104,7 @@ class NAdam(Optimizer):
         mu_next = [beta1 * (1.0 - 0.5 * 0.96 ** ((k + 1) * psi)) for k in t]
         mu_product = self.mu_products(params)
         torch._foreach_mul_(mu_product, mu)
-        pi = [x.item() for x in mu_product]
+        pi = host_scalars(mu_product)
         denom = adam_denominator(v, [1 - beta2**k for k in t], eps)
-        torch._foreach_addcdiv_(
-            params, grads, denom, [-lr * (1 - a) / (1 - b) for a, b in zip(mu, pi)]
-        )
-        torch._foreach_addcdiv_(
-            params, m, denom, [-lr * a / (1 - b * a) for a, b in zip(mu_next, pi)]
-        )
+        addcdiv_(params, grads, denom, [-lr * (1 - a) / (1 - b) for a, b in zip(mu, pi)])
+        addcdiv_(params, m, denom, [-lr * a / (1 - b * a) for a, b in zip(mu_next, pi)])

@@ -12,6 +12,15 @@ the others return new tensors (or, where they say so, update buffers given to th
 * :func:`adam_moments_`: Adam's two exponential averages (Adam, NAdam, LAMB).
 * :func:`adam_denominator`: :math:`\sqrt{\hat v_t} + \epsilon` (Adam, NAdam, LAMB).
 * :func:`adam_ratio`: :math:`\hat m_t / (\sqrt{\hat v_t} + \epsilon)` (LAMB's :math:`r_t`).
+
+And the operations whose scalars are per-step values (a learning rate, a bias correction):
+on the compiled path (:mod:`lsdl_lab.optim.compiled`) these are 0-d tensors, which the
+foreach operations' scalar arguments do not take, so they are applied by a product there,
+which the compiler fuses into the same pass:
+
+* :func:`add_scaled_`: :math:`x \leftarrow x + \alpha y`.
+* :func:`addcdiv_`: :math:`x \leftarrow x + s\, y / z`.
+* :func:`host_scalars`: scalars computed on the device, as the foreach operations take them.
 """
 
 from __future__ import annotations
@@ -20,13 +29,54 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "add_scaled_",
+    "addcdiv_",
     "adam_denominator",
     "adam_moments_",
     "adam_ratio",
     "coupled_weight_decay",
     "decoupled_weight_decay_",
+    "host_scalars",
     "momentum",
+    "smaller",
 ]
+
+
+def add_scaled_(xs: list[Tensor], ys: list[Tensor], alpha) -> None:
+    r""":math:`x \leftarrow x + \alpha\, y` for each pair, in place; ``alpha`` a number, or
+    a 0-d tensor on the compiled path."""
+    if isinstance(alpha, Tensor):
+        torch._foreach_add_(xs, torch._foreach_mul(ys, alpha))
+    else:
+        torch._foreach_add_(xs, ys, alpha=alpha)
+
+
+def addcdiv_(xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], scalars) -> None:
+    r""":math:`x \leftarrow x + s\, y / z` for each triple, in place; ``scalars`` one number
+    or one per tensor, 0-d tensors on the compiled path."""
+    if isinstance(scalars, Tensor) or (
+        isinstance(scalars, list) and isinstance(scalars[0], Tensor)
+    ):
+        torch._foreach_addcdiv_(xs, torch._foreach_mul(ys, scalars), zs)
+    else:
+        torch._foreach_addcdiv_(xs, ys, zs, scalars)
+
+
+def smaller(a, b):
+    """The smaller of two numbers, or of 0-d tensors on the compiled path (where ``min``
+    would compare them on the host)."""
+    return torch.minimum(a, b) if isinstance(a, Tensor) else min(a, b)
+
+
+def host_scalars(tensors: Tensor | list[Tensor]) -> list:
+    """Scalars computed on the device (a 1-D tensor, or 0-d tensors), as the foreach
+    operations take them: Python numbers eagerly (copied to the host at once), the 0-d
+    tensors themselves on the compiled path, where a copy to the host would end the graph."""
+    if torch.compiler.is_compiling():
+        return list(tensors)
+    if isinstance(tensors, Tensor):
+        return tensors.tolist()
+    return [x.item() for x in tensors]
 
 
 def coupled_weight_decay(grads: list[Tensor], params: list[Tensor], lam: float) -> list[Tensor]:

@@ -23,7 +23,7 @@ import torch
 
 from .._util import check_fraction, check_real
 from .base import Optimizer
-from .pieces import coupled_weight_decay
+from .pieces import add_scaled_, addcdiv_, coupled_weight_decay
 
 __all__ = ["RMSprop"]
 
@@ -42,6 +42,7 @@ class RMSprop(Optimizer):
         centered: bool = False,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -51,7 +52,7 @@ class RMSprop(Optimizer):
             momentum=momentum,
             centered=centered,
         )
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def check(self, group):
         # torch.optim accepts any alpha >= 0; above 1 the average is no longer an average
@@ -91,6 +92,6 @@ class RMSprop(Optimizer):
             b = self.buffer(params, "momentum_buffer")
             torch._foreach_mul_(b, mu)
             torch._foreach_addcdiv_(b, grads, r)
-            torch._foreach_add_(params, b, alpha=-lr)
+            add_scaled_(params, b, -lr)
         else:
-            torch._foreach_addcdiv_(params, grads, r, -lr)
+            addcdiv_(params, grads, r, -lr)

@@ -64,6 +64,10 @@ class SecondOrderOptimizer(Optimizer):
     hyperparameters that must agree across groups (``shared``) and writes ``step``."""
 
     shared: tuple[str, ...] = ()
+    not_compilable = (
+        "its step solves one system over all parameters, with a closure, autograd and a line "
+        "search: there is no per-group update to compile"
+    )
 
     def check_shared(self, group: dict) -> None:
         """A new group must agree with the first on the hyperparameters of the system."""

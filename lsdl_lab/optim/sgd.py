@@ -20,11 +20,9 @@ Nesterov's update leaves :math:`d_t` in the gradient buffer ``p.grad``.
 
 from __future__ import annotations
 
-import torch
-
 from .._util import check_nonnegative, check_real
 from .base import Optimizer
-from .pieces import coupled_weight_decay, momentum
+from .pieces import add_scaled_, coupled_weight_decay, momentum
 
 __all__ = ["SGD"]
 
@@ -46,6 +44,7 @@ class SGD(Optimizer):
         nesterov: bool = False,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -54,7 +53,7 @@ class SGD(Optimizer):
             weight_decay=weight_decay,
             nesterov=nesterov,
         )
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def check(self, group):
         check_real("momentum value", group["momentum"], 0.0, 1.0, high_open=True)
@@ -80,4 +79,4 @@ class SGD(Optimizer):
             first = not self.has_state(params, "momentum_buffer")
             b = self.buffer(params, "momentum_buffer", like=d)
             d = momentum(b, d, mu, tau, group["nesterov"], first)
-        torch._foreach_add_(params, d, alpha=-lr)
+        add_scaled_(params, d, -lr)

@@ -97,6 +97,12 @@ class Shampoo(Optimizer):
     error); ``max_block_size`` bounds every preconditioner's side.
     """
 
+    not_compilable = (
+        "its update refreshes the roots by eigendecomposition every update_freq steps, a "
+        "branch on the step count, and keeps the last root when one fails (an exception): "
+        "control flow that one graph cannot hold"
+    )
+
     def __init__(
         self,
         params,
@@ -109,6 +115,7 @@ class Shampoo(Optimizer):
         grafting: str = "adagrad",
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -119,7 +126,7 @@ class Shampoo(Optimizer):
             max_block_size=max_block_size,
             grafting=grafting,
         )
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def check(self, group):
         check_nonnegative("epsilon", group["epsilon"])

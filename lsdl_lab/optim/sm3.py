@@ -45,6 +45,7 @@ from torch import Tensor
 
 from .._util import check_real
 from .base import Optimizer
+from .pieces import add_scaled_
 
 __all__ = ["SM3"]
 
@@ -61,9 +62,10 @@ class SM3(Optimizer):
         eps: float = 1e-30,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(lr=lr, momentum=momentum, eps=eps)
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     def check(self, group):
         check_real("momentum value", group["momentum"], 0.0, 1.0, high_open=True)
@@ -116,7 +118,7 @@ class SM3(Optimizer):
             m = self.buffer(params, "momentum_buffer")
             torch._foreach_lerp_(m, u, 1 - mu)
             u = m
-        torch._foreach_add_(params, u, alpha=-lr)
+        add_scaled_(params, u, -lr)
 
 
 def _minimum(accumulators: list[Tensor]) -> Tensor:

@@ -140,10 +140,11 @@ def torch_reference_tests(name: str, hyper, full: dict, constructor_only=()):
         ours_ = inspect.signature(getattr(optim, name)).parameters
         theirs = inspect.signature(getattr(torch.optim, name)).parameters
         for arg, p in ours_.items():
-            if arg != "foreach":
+            if arg not in ("foreach", "compile"):  # compile: lsdl_lab's compiled path
                 assert arg in theirs and p.default == theirs[arg].default, arg
                 assert p.kind == theirs[arg].kind, arg
         assert ours_["foreach"].kind is inspect.Parameter.KEYWORD_ONLY
+        assert ours_["compile"].kind is inspect.Parameter.KEYWORD_ONLY
 
     @settings(max_examples=5, deadline=None, phases=NO_SHRINK)
     @given(data=st.data())

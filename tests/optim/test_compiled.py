@@ -1,0 +1,289 @@
+"""The compiled path (``compile=True``, lsdl_lab/optim/compiled.py) against the eager one.
+
+For every first-order optimizer, on a real (small) model, in float32 and float64, with a
+learning rate that changes every step (a schedule):
+
+* 100 compiled steps equal 100 eager steps within a stated tolerance (TOLERANCE: the
+  compiler fuses and reorders the arithmetic, so results differ by rounding, not bit for
+  bit); the state is the same, key for key and type for type;
+* one graph is compiled per parameter group, however the learning rate and the step
+  count change;
+* a run switches path on resume, either way, through ``state_dict``;
+* where compiling is impossible (an optimizer that declares it, a missing C++ compiler, an
+  operation the tracer rejects) one warning gives the reason, and the eager update runs.
+
+Compiling costs seconds per graph (cold: tens of seconds on a busy 2-core machine;
+TorchInductor's on-disk cache makes later runs fast), so each optimizer and dtype is
+compiled once, in a module-scoped fixture, and every test reads that run.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lsdl_lab import optim
+from lsdl_lab.models import MLP
+from lsdl_lab.optim.compiled import CompileWarning
+
+STEPS = 100
+SWITCH = 50  # the step at which a run changes path
+# Measured largest differences after 100 steps (parameters scaled to O(1)): float32 up to
+# ~1e-6, float64 ~1e-14; the bounds leave two orders of magnitude for other machines'
+# vector widths. A wrong scalar (a stale lr or step count) moves parameters by > 1e-3.
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float64: dict(rtol=1e-9, atol=1e-9)}
+
+# One option set per optimizer, with every part of its update switched on; LARS and LAMB
+# with their two groups (adapted weights; biases without trust ratio and decay).
+CASES = {
+    "SGD": lambda m, c: optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                               weight_decay=1e-3, compile=c),
+    "Adagrad": lambda m, c: optim.Adagrad(m.parameters(), lr=0.1, lr_decay=0.01, weight_decay=1e-3,
+                                       initial_accumulator_value=0.1, compile=c),
+    "RMSprop": lambda m, c: optim.RMSprop(m.parameters(), lr=1e-3, alpha=0.9, weight_decay=1e-3,
+                                       momentum=0.5, centered=True, compile=c),
+    "Adadelta": lambda m, c: optim.Adadelta(m.parameters(), lr=0.5, rho=0.8, weight_decay=1e-3,
+                                         compile=c),
+    "Adam": lambda m, c: optim.Adam(m.parameters(), lr=1e-2, weight_decay=1e-2, amsgrad=True,
+                                 compile=c),
+    "AdamW": lambda m, c: optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, compile=c),
+    "Adamax": lambda m, c: optim.Adamax(m.parameters(), lr=1e-2, weight_decay=1e-3, compile=c),
+    "NAdam": lambda m, c: optim.NAdam(m.parameters(), lr=1e-2, weight_decay=1e-2,
+                                   decoupled_weight_decay=True, compile=c),
+    "LARS": lambda m, c: optim.LARS(optim.param_groups_for_layerwise(m, 1e-3), lr=2.0,
+                                 momentum=0.9, compile=c),
+    "LAMB": lambda m, c: optim.LAMB(optim.param_groups_for_layerwise(m, 0.01), lr=1e-2,
+                                 compile=c),
+    "Adafactor": lambda m, c: optim.Adafactor(m.parameters(), lr=1e-2, beta1=0.9, weight_decay=0.01,
+                                           compile=c),
+    "SM3": lambda m, c: optim.SM3(m.parameters(), lr=0.05, momentum=0.9, compile=c),
+}  # fmt: skip
+
+
+def make(name: str, model, compile: bool):
+    return CASES[name](model, compile)
+
+
+def make_model(dtype):
+    torch.manual_seed(0)
+    return MLP(6, 3, hidden=12, depth=2).to(dtype)
+
+
+def batch(t: int, dtype):
+    g = torch.Generator().manual_seed(1000 + t)
+    x = torch.randn(16, 6, generator=g, dtype=torch.float64).to(dtype)
+    return x, torch.randint(0, 3, (16,), generator=g)
+
+
+def schedule(t: int) -> float:
+    """A factor on the learning rate that changes every step (warm-up, then decay)."""
+    return min(1.0, (t + 1) / 10) / (1 + 0.02 * t)
+
+
+def train(model, opt, steps, dtype):
+    for t in steps:
+        for group, lr in zip(opt.param_groups, opt.base_lrs):
+            group["lr"] = lr * schedule(t)
+        x, y = batch(t, dtype)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def checkpoint(model, opt) -> dict:
+    buffer = io.BytesIO()
+    torch.save(dict(model=model.state_dict(), opt=opt.state_dict()), buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def run(name, dtype, compile, steps=range(STEPS), start=None):
+    """Train ``steps``, from ``start`` (a checkpoint) or from the beginning; the model, the
+    optimizer, and the checkpoint at step SWITCH when the run passes it."""
+    model = make_model(dtype)
+    opt = make(name, model, compile)
+    opt.base_lrs = [g["lr"] for g in opt.param_groups]
+    if start is not None:
+        model.load_state_dict(start["model"])
+        opt.load_state_dict(start["opt"])
+    saved = None
+    if steps.start < SWITCH < steps.stop:
+        train(model, opt, range(steps.start, SWITCH), dtype)
+        saved = checkpoint(model, opt)
+        steps = range(SWITCH, steps.stop)
+    train(model, opt, steps, dtype)
+    return model, opt, saved
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo():
+    """No compiled graph of this file outlives it (nor one of an earlier file enters it)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+RUNS = {}
+
+
+def runs(name, dtype):
+    """The eager and the compiled run of ``name`` in ``dtype``, made once per module."""
+    if (name, dtype) not in RUNS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CompileWarning)  # every one of them compiles
+            RUNS[name, dtype] = run(name, dtype, False), run(name, dtype, True)
+    return RUNS[name, dtype]
+
+
+def assert_close_state(a, b, tolerance, where="state"):
+    """The same nested state, key for key and type for type; tensors close."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        torch.testing.assert_close(a, b, **tolerance, msg=where)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_close_state(a[key], b[key], tolerance, f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_close_state(x, y, tolerance, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def assert_close_run(a, b, dtype):
+    (model_a, opt_a), (model_b, opt_b) = a[:2], b[:2]
+    for pa, pb in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, **TOLERANCE[dtype])
+    assert_close_state(opt_a.state_dict(), opt_b.state_dict(), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_equals_eager_with_one_graph_per_group(name, dtype):
+    eager, compiled = runs(name, dtype)
+    assert_close_run(compiled, eager, dtype)
+    opt = compiled[1]
+    assert opt.compiled.failure is None
+    # 100 steps, a new learning rate and step count in each: one graph per group, no more
+    assert opt.compiled.compiles == len(opt.param_groups)
+    assert opt.compiled.compile_seconds > 0
+    # and the run moved: a compiled update that did nothing would fail the comparison too,
+    # but only if the eager run moved
+    start = make_model(dtype)
+    assert any(not torch.allclose(p, q) for p, q in zip(start.parameters(), eager[0].parameters()))
+
+
+def test_a_changed_learning_rate_changes_the_compiled_step():
+    # the learning rate is an input of the graph, not a constant baked into it
+    eager, compiled = runs("Adam", torch.float32)
+    model, opt = compiled[0], compiled[1]
+    x, y = batch(0, torch.float32)
+    steps = []
+    for lr in (1e-2, 0.0):
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.param_groups[0]["lr"] = lr
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        steps.append(max((p - b).abs().max().item() for p, b in zip(model.parameters(), before)))
+    assert steps[0] > 1e-4 and steps[1] == 0.0
+    assert opt.compiled.compiles == 1
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_run_switches_path_on_resume(name):
+    dtype = torch.float32
+    eager, compiled = runs(name, dtype)
+    # eager for 50 steps, then compiled; compiled for 50 steps, then eager
+    to_compiled = run(name, dtype, True, range(SWITCH, STEPS), start=eager[2])
+    to_eager = run(name, dtype, False, range(SWITCH, STEPS), start=compiled[2])
+    assert_close_run(to_compiled, eager, dtype)
+    assert_close_run(to_eager, eager, dtype)
+    # the checkpoints of the two paths hold the same state, type for type
+    assert_close_state(compiled[2]["opt"], eager[2]["opt"], TOLERANCE[dtype])
+
+
+# -- where compiling is impossible -----------------------------------------------------------
+
+
+def eager_and_compiled(make_opt, steps=5):
+    """Both paths of ``make_opt(params, compile)``; (models, optimizers, warnings)."""
+    out = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for compile in (False, True):
+            model = make_model(torch.float32)
+            opt = make_opt(model.parameters(), compile)
+            for t in range(steps):
+                x, y = batch(t, torch.float32)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            out.append((model, opt))
+    return out, [w for w in caught if issubclass(w.category, CompileWarning)]
+
+
+def assert_same_models(a, b):
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_an_optimizer_that_cannot_compile_warns_once_and_runs_eagerly():
+    (eager, compiled), caught = eager_and_compiled(
+        lambda ps, c: optim.Shampoo(ps, lr=0.1, compile=c)
+    )
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "Shampoo(compile=True)" in message and "eigendecomposition" in message
+    assert "running the eager update" in message
+    assert_same_models(eager[0], compiled[0])
+
+
+class RejectedSGD(optim.SGD):
+    """SGD whose update reads a value on the host, which ends a graph: fullgraph rejects it."""
+
+    def update(self, group, params, grads):
+        if grads[0].norm() > 1e6:  # data-dependent control flow
+            raise RuntimeError("exploded")
+        super().update(group, params, grads)
+
+
+def test_an_operation_the_compiler_rejects_warns_once_and_runs_eagerly():
+    (eager, compiled), caught = eager_and_compiled(
+        lambda ps, c: RejectedSGD(ps, lr=0.1, momentum=0.9, compile=c)
+    )
+    assert len(caught) == 1
+    assert "RejectedSGD(compile=True): torch.compile could not compile" in str(caught[0].message)
+    assert compiled[1].compiled.failure is not None and compiled[1].compiled.compiles == 0
+    assert_same_models(eager[0], compiled[0])
+
+
+def test_a_missing_cpp_compiler_warns_once_and_runs_eagerly(monkeypatch):
+    inductor = torch._inductor.config
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setattr(inductor, "force_disable_caches", True)  # no cached kernel to reuse
+    torch._dynamo.reset()
+    try:
+        (eager, compiled), caught = eager_and_compiled(
+            lambda ps, c: optim.SGD(ps, lr=0.1, momentum=0.5, compile=c)
+        )
+    finally:
+        torch._dynamo.reset()
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "torch.compile could not compile its update" in str(caught[0].message)
+    assert_same_models(eager[0], compiled[0])
+
+
+def test_compile_needs_foreach():
+    w = [torch.zeros(2, requires_grad=True)]
+    with pytest.raises(ValueError, match="Invalid foreach: False with compile=True"):
+        optim.Adam(w, foreach=False, compile=True)
+    with pytest.raises(TypeError, match="Invalid compile: 'yes'"):
+        optim.Adam(w, compile="yes")
