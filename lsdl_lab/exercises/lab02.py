@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import noise
 from ..check import check_function, exercise
 
 
@@ -68,3 +69,35 @@ def check_predicted_variance(student_fn) -> None:
         {"trace_cov": trace[3], "batch_size": 16, "n": 50},  # replacement by default
     ]
     check_function(student_fn, predicted_variance, cases)
+
+
+def noise_scale_from_norms(
+    norm_sq_small: float, norm_sq_big: float, b_small: int, b_big: int
+) -> tuple[float, float]:
+    r"""McCandlish et al.'s (2018, Appendix A.1) unbiased estimates of
+    :math:`(\|g\|^2, \operatorname{tr}\Sigma)` from the mean squared norms of batch gradients
+    at two batch sizes, solving :math:`\mathbb E\|g_B\|^2 = \|g\|^2 + \operatorname{tr}\Sigma/B`
+    at ``b_small`` and ``b_big``; :func:`lsdl_lab.noise.noise_scale_from_norms` as a tuple."""
+    estimate = noise.noise_scale_from_norms(norm_sq_small, norm_sq_big, b_small, b_big)
+    return estimate.grad_norm_sq, estimate.trace_cov
+
+
+def _two_size_cases() -> list[tuple[float, float, int, int]]:
+    gen = torch.Generator().manual_seed(4)
+    cases = []
+    # Exact expectations E||g_B||^2 = G + S / B for a few (G, S) and pairs of sizes, so the
+    # answer is (G, S) itself; the sizes are unequal in every way a formula can confuse.
+    for b_small, b_big in [(1, 2), (8, 128), (32, 64), (3, 1000)]:
+        g2 = round(0.01 + torch.rand(1, generator=gen).item(), 4)
+        trace = round(1 + 50 * torch.rand(1, generator=gen).item(), 3)
+        cases.append((g2 + trace / b_small, g2 + trace / b_big, b_small, b_big))
+    # Measured norms are noisy: the estimate of ||g||^2 can come out negative, and an
+    # unbiased estimator must return it as it is, not clamp it.
+    cases.append((5.0, 2.4, 16, 32))
+    cases.append((2.0, 2.0, 4, 8))  # no noise at all: tr Sigma = 0
+    return cases
+
+
+@exercise("lab02.noise_scale_from_norms")
+def check_noise_scale_from_norms(student_fn) -> None:
+    check_function(student_fn, noise_scale_from_norms, _two_size_cases(), rtol=1e-6, atol=1e-9)
