@@ -79,6 +79,7 @@ def test_book_builds_without_warnings(tmp_path):
         "book/ch08_memory",
         "labs/lab08_memory",
         "book/ch09_conclusion",
+        "labs/lab09_combined_recipe",
     ):
         text = (html / f"{f}.html").read_text()
         assert re.search(r'<img[^>]+src="[^"]*_images/[^"]+\.png"', text), f"no figure in {f}"
