@@ -6,6 +6,7 @@ broken cross-reference, a citation missing from references.bib, a duplicate labe
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,19 +47,26 @@ def test_every_lab_has_a_colab_launch_button_configured():
     assert labs and all((ROOT / f"{f}.ipynb").exists() for f in labs)  # Colab opens .ipynb
 
 
-@pytest.mark.notebook
-def test_book_builds_without_warnings(tmp_path):
+@pytest.fixture(scope="module")
+def smoke_book(tmp_path_factory):
+    """The whole book built once at smoke, for the build test and the browser test (both in
+    this file, so `--dist loadfile` runs them on one worker): (return code, log, html dir)."""
+    out = tmp_path_factory.mktemp("book")
     env = dict(os.environ, LSDL_SCALE="smoke", TQDM_DISABLE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [str(JB), "build", str(ROOT), "--path-output", str(tmp_path), "-W", "--keep-going"],
+        [str(JB), "build", str(ROOT), "--path-output", str(out), "-W", "--keep-going"],
         env=env,
         capture_output=True,
         text=True,
         timeout=1500,
     )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    html = tmp_path / "_build" / "html"
+    return proc.returncode, proc.stdout + proc.stderr, out / "_build" / "html"
+
+
+@pytest.mark.notebook
+def test_book_builds_without_warnings(smoke_book):
+    returncode, log, html = smoke_book
+    assert returncode == 0, log[-6000:]
     for f in toc_files():
         page = html / f"{f}.html"
         assert page.exists(), f
@@ -91,6 +99,8 @@ def test_book_builds_without_warnings(tmp_path):
 def test_a_cell_that_raises_fails_the_build(tmp_path):
     """The project's own _config.yml, on a one-page book whose cell raises."""
     (tmp_path / "_config.yml").write_text((ROOT / "_config.yml").read_text())
+    for folder in ("_ext", "_static"):  # the config's local extension and favicon
+        shutil.copytree(ROOT / folder, tmp_path / folder)
     (tmp_path / "_toc.yml").write_text("format: jb-book\nroot: page\n")
     (tmp_path / "references.bib").write_text("")
     (tmp_path / "page.md").write_text(
@@ -103,3 +113,86 @@ def test_a_cell_that_raises_fails_the_build(tmp_path):
     )
     assert proc.returncode != 0
     assert "this cell fails" in proc.stdout + proc.stderr
+
+
+ARTIFACTS = ROOT / "_build" / "test-artifacts"
+SCREENSHOTS = ("intro", "book/ch05_generalization_gap", "labs/lab03_optimizers")
+SEARCH_TERM, SEARCH_HIT = "momentum", "ch03_optimizers"  # a page the search must list
+MIN_MATH_PAGES = 5  # so that the math checks cannot pass by finding no math
+COLAB = re.compile(r"^https://colab\.research\.google\.com/github/([^/]+/[^/]+)/blob/main/(.+)$")
+
+# JavaScript: the output images of every cell that calls a widget explorer (`*_explorer(`)
+EXPLORER_FIGURES_JS = """
+return [...document.querySelectorAll('.cell')]
+    .filter(c => /_explorer\\(/.test((c.querySelector('.cell_input') || {}).textContent || ''))
+    .map(c => [...c.querySelectorAll('.cell_output img')].map(i => i.naturalWidth));
+"""
+
+
+@pytest.mark.notebook
+def test_site_in_headless_chromium(smoke_book, tmp_path):
+    """The smoke build in a real browser, offline: every page loads with no console error,
+    its math renders with the site's own MathJax, its images load, its Colab links open
+    notebooks of the repository; search finds a term; exercise solutions are hidden until
+    clicked; widget explorers show a static figure. Screenshots go to _build/test-artifacts."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    from site_browser import browser_paths, chromium, console_errors, page_state, serve
+
+    returncode, log, html = smoke_book
+    assert returncode == 0, "the book did not build (see test_book_builds_without_warnings)"
+    try:
+        browser_paths()
+    except RuntimeError as missing:  # never a silent skip: say what to install
+        pytest.fail(str(missing))
+    repo = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    problems, math_pages, explorers = [], 0, 0
+    with serve(html) as base, chromium(tmp_path / "profile") as browser:
+        for page in toc_files():
+            state = page_state(browser, f"{base}{page}.html")
+            problems += [f"{page}: console: {m}" for m in console_errors(browser)]
+            problems += [f"{page}: image did not load: {s}" for s in state["broken_images"]]
+            if state["math_nodes"]:
+                math_pages += 1
+                if not (state["mathjax_version"] or "").startswith("3."):
+                    problems.append(f"{page}: MathJax 3 not loaded")
+                elif not state["rendered_math"] or state["math_errors"]:
+                    problems.append(f"{page}: math not rendered ({state})")
+            for href in state["colab"]:
+                m = COLAB.match(href)
+                if not m or f"https://github.com/{m[1]}" != repo or not m[2].endswith(".ipynb"):
+                    problems.append(f"{page}: Colab link to a non-notebook {href}")
+                elif not (ROOT / m[2]).is_file():
+                    problems.append(f"{page}: Colab link to a missing file {m[2]}")
+            if page.startswith("labs/") and not any(
+                h.endswith(f"/{page}.ipynb") for h in state["colab"]
+            ):
+                problems.append(f"{page}: no Colab link to itself")
+            for widths in browser.execute_script(EXPLORER_FIGURES_JS):
+                explorers += 1
+                if not widths or not all(w > 0 for w in widths):
+                    problems.append(f"{page}: a widget explorer shows no static figure")
+            if page in SCREENSHOTS:
+                browser.save_screenshot(str(ARTIFACTS / f"{page.replace('/', '_')}.png"))
+
+        # search: Sphinx's own index, filled in by JavaScript
+        browser.get(f"{base}search.html?q={SEARCH_TERM}")
+        WebDriverWait(browser, 30).until(
+            lambda b: b.find_elements(By.CSS_SELECTOR, "#search-results ul.search li")
+        )
+        hits = browser.find_elements(By.CSS_SELECTOR, "#search-results ul.search li a")
+        assert any(SEARCH_HIT in (a.get_attribute("href") or "") for a in hits)
+        problems += [f"search: console: {m}" for m in console_errors(browser)]
+
+        # a solution is hidden until its title is clicked
+        browser.get(f"{base}book/ch01_introduction.html")
+        solution = browser.find_element(By.CSS_SELECTOR, ".solution.dropdown")
+        body = solution.find_element(By.CSS_SELECTOR, "section, p:not(.admonition-title)")
+        assert not body.is_displayed()
+        solution.find_element(By.CSS_SELECTOR, ".toggle-button").click()
+        WebDriverWait(browser, 10).until(lambda b: body.is_displayed())
+    print(f"screenshots of {', '.join(SCREENSHOTS)} in {ARTIFACTS}")
+    assert not problems, "\n".join(problems)
+    assert math_pages >= MIN_MATH_PAGES and explorers >= 1  # the checks above did run
+    assert all((ARTIFACTS / f"{p.replace('/', '_')}.png").stat().st_size > 0 for p in SCREENSHOTS)
