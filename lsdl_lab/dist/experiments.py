@@ -11,8 +11,9 @@ lists, dicts), the same on every rank unless it says otherwise::
 
 * :func:`collective_times`: the hand-built ring and tree all-reduce against
   ``dist.all_reduce`` over sizes, with the alpha-beta model fitted to each;
-* :func:`compression_run`: one small classifier trained under DDP with each compressor's
-  hook: bytes handed to the collectives, test accuracy, encode/decode time;
+* :func:`compression_run`: the book's ResNet (or any classifier of the 8x8 digits) trained
+  under DDP with each compressor's hook: bytes handed to the collectives, test accuracy,
+  encode/decode time;
 * :func:`local_sgd_run`: local SGD at several averaging periods, and the overlap of
   communication with the backward pass at two bucket sizes;
 * :func:`model_parallel_run`: a tensor-parallel transformer block against the dense one,
@@ -22,9 +23,11 @@ lists, dicts), the same on every rank unless it says otherwise::
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,7 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import models
-from .._util import check_int
+from .._util import check_int, eval_mode
 from ..compress import (
     QSGD,
     ErrorFeedback,
@@ -67,6 +70,7 @@ __all__ = [
     "collective_times",
     "compression_run",
     "digits_mlp",
+    "digits_resnet",
     "local_sgd_run",
     "least_squares_gradient",
     "least_squares_loss",
@@ -149,6 +153,13 @@ def staleness_run(rank, world_size, staleness: Sequence[int], lr: float, steps: 
 def digits_mlp(hidden: int = 128) -> nn.Module:
     """The small classifier of the chapter's experiments: an MLP on the 8x8 digits."""
     return models.MLP(64, 10, hidden=hidden)
+
+
+def digits_resnet(depth: int = 8, width: int = 8) -> nn.Module:
+    """The book's CIFAR ResNet (:class:`~lsdl_lab.models.ResNet`, He et al. 2016) on the
+    8x8 digits (one input channel): Lab 7 compresses its gradients at the profile's
+    ``resnet_depth`` and ``resnet_width``."""
+    return models.ResNet(depth, width, num_classes=10, in_channels=1)
 
 
 # name -> (hook, compressor factory of a rank or None, whether the hook is torch's own)
@@ -261,7 +272,7 @@ def _shard(x: torch.Tensor, y: torch.Tensor, step: int, batch: int, rank: int, w
 
 
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(model):  # BatchNorm by its running statistics
         return accuracy(model(x), y).item()
 
 
@@ -272,6 +283,29 @@ def _digits(seed: int):
     return digits.train_x[order], digits.train_y[order], digits.test_x, digits.test_y
 
 
+def _ddp(model: nn.Module) -> DistributedDataParallel:
+    # Buffers are not synchronized: each rank keeps its own BatchNorm statistics, so the
+    # gradients' collectives are all the communication there is. A 1x1 convolution's
+    # gradient has other (equivalent) strides than its bucket view, about which DDP warns
+    # once per process; the copy into the bucket is right. (gradient_as_bucket_view,
+    # which avoids the copy, crashed a rank here: "free(): invalid pointer".)
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+    return DistributedDataParallel(model, forward_sync_buffers=False)
+
+
+def _train(ddp, opt, x, y, steps: range, batch: int, rank: int, world_size: int) -> None:
+    for step in steps:
+        xb, yb = _shard(x, y, step, batch, rank, world_size)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(xb), yb).backward()
+        opt.step()
+
+
+# torch's PowerSGD hook all-reduces uncompressed for at least 2 steps of a new DDP model
+# (DDP rebuilds its buckets after the first); every hook gets the same
+FRESH_DDP_STEPS = 2
+
+
 def compression_run(
     rank,
     world_size,
@@ -279,42 +313,49 @@ def compression_run(
     steps: int = 200,
     batch: int = 64,
     lr: float = 0.05,
-    make_model: Callable[[], nn.Module] = digits_mlp,
+    make_model: Callable[[], nn.Module] = digits_resnet,
     start_iter: int = 10,
     seed: int = 0,
 ) -> dict[str, dict]:
     """Train ``make_model()`` on the digits under DDP with each compressor's hook, the
     same initial weights and examples for all: ``steps`` steps of SGD (momentum 0.9) on
-    global batches of ``batch`` examples, the first ``start_iter`` uncompressed (as
-    torch's PowerSGD requires; the others follow the same schedule). For each name:
-    ``bytes_per_step``, this rank's bytes handed to collectives per compressed step;
-    ``accuracy``, the test accuracy at the end; ``seconds``, the training time;
-    ``codec_s``, the encode + decode time of one step (see :func:`_codec_seconds`)."""
+    global batches of ``batch`` examples, the first ``start_iter`` uncompressed (torch's
+    PowerSGD needs at least 2; the others follow the same schedule). Those are the same
+    for every name, so they run once, and each compressor continues from a copy of the
+    model and optimizer (the same numbers as training each from the start). DDP does not
+    synchronize buffers: rank 0's model, with its own BatchNorm statistics, is evaluated.
+
+    For each name: ``bytes_per_step``, this rank's bytes handed to collectives per
+    compressed step; ``accuracy``, the test accuracy at the end; ``seconds``, the training
+    time after the shared steps; ``codec_s``, the encode + decode time of one step (see
+    :func:`_codec_seconds`)."""
+    start_iter = check_int("start_iter", start_iter, FRESH_DDP_STEPS)
     steps = check_int("steps", steps, start_iter + 1)
     x, y, test_x, test_y = _digits(seed)
+    torch.manual_seed(seed)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    shared = range(start_iter - FRESH_DDP_STEPS)
+    _train(_ddp(model), opt, x, y, shared, batch, rank, world_size)
+    warm = copy.deepcopy((model.state_dict(), opt.state_dict()))
     results = {}
     for name in names:
-        torch.manual_seed(seed)
-        model = make_model()
-        ddp = DistributedDataParallel(model)
+        model = make_model()  # a fresh module: the last DDP's hooks stay on the old one
+        model.load_state_dict(warm[0])
+        ddp = _ddp(model)
         counter = [0]
-        bytes_sent = _register(ddp, name, rank, start_iter, counter)
+        bytes_sent = _register(ddp, name, rank, FRESH_DDP_STEPS, counter)
         opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+        opt.load_state_dict(warm[1])
         start = time.perf_counter()
         with _counting_all_reduce(counter):
-            for step in range(steps):
-                if step == start_iter:  # count only the compressed steps
-                    before = bytes_sent()
-                xb, yb = _shard(x, y, step, batch, rank, world_size)
-                opt.zero_grad()
-                nn.functional.cross_entropy(ddp(xb), yb).backward()
-                opt.step()
-        seconds = time.perf_counter() - start
-        sent = bytes_sent() - before
+            _train(ddp, opt, x, y, range(len(shared), start_iter), batch, rank, world_size)
+            before = bytes_sent()  # count only the compressed steps
+            _train(ddp, opt, x, y, range(start_iter, steps), batch, rank, world_size)
         results[name] = {
-            "bytes_per_step": sent / (steps - start_iter),
+            "bytes_per_step": (bytes_sent() - before) / (steps - start_iter),
             "accuracy": _accuracy(model, test_x, test_y),
-            "seconds": seconds,
+            "seconds": time.perf_counter() - start,
             "codec_s": _codec_seconds(name, rank, model, world_size),
             "parameters": sum(p.numel() for p in model.parameters()),
         }

@@ -66,6 +66,10 @@ BACKENDS = ("gloo", "nccl")
 START_METHODS = ("spawn", "forkserver")
 # forkserver where the platform has it (Linux, macOS): see spawn's docstring
 DEFAULT_START_METHOD = "forkserver" if "forkserver" in get_all_start_methods() else "spawn"
+# What the forkserver imports once for every rank it forks: torch (with this module), and
+# torch._dynamo, which DistributedDataParallel's constructor imports (it asks dynamo for its
+# DDP mode): 2-8 s of every rank of every world that builds a DDP model, measured.
+FORKSERVER_PRELOAD = [__name__, "torch._dynamo"]
 # After one rank fails, how long the others get to report their own errors (they are
 # usually blocked in a collective with the dead rank and fail within milliseconds) and
 # then to exit after SIGTERM, before they are killed.
@@ -299,7 +303,7 @@ def spawn(
     check_choice("backend", backend, BACKENDS)
     ctx = get_context(check_choice("start_method", start_method, START_METHODS))
     if start_method == "forkserver":
-        ctx.set_forkserver_preload([__name__])  # torch imported once, by the server
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     port, caller = free_port(), (os.getpid(), dict(os.environ), list(sys.path))
     job = pickle.dumps((fn, args))
     processes, readers, done = [], [], False

@@ -158,7 +158,11 @@ def naive_ring_timed(rank, world_size, n):
     try:
         naive_ring_all_reduce_blocking(torch.ones(n))
     except RuntimeError as error:
-        raise RuntimeError(f"failed after {time.monotonic() - start:.3f} s") from error
+        # the cause's message too: a rank whose peer timed out first and left may fail
+        # with "Connection closed by peer" instead, and be the one reported first
+        seconds = time.monotonic() - start
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise RuntimeError(f"failed after {seconds:.3f} s: {first_line}") from error
     return time.monotonic() - start
 
 

@@ -12,6 +12,9 @@ from lsdl_lab.dist import experiments as E
 
 NAMES = ["none", "fp16 (torch)", "sign + EF", "random-1% + EF", "PowerSGD r=2"]
 SMALL = functools.partial(E.digits_mlp, 16)
+# width 8: narrower ResNets crash torch 2.13's oneDNN convolution on the digits (heap
+# corruption at widths 2-4, measured; fine with torch.backends.mkldnn.enabled = False)
+TINY_RESNET = functools.partial(E.digits_resnet, 8, 8)
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +29,13 @@ def results():
             E.model_parallel_run, micro_batches=(1, 2), width=8, rows=2, layers=1, dim=16, heads=2
         ),
         functools.partial(E.staleness_run, staleness=(0, 1), lr=0.5, steps=10),
+        functools.partial(
+            E.compression_run,
+            names=["none", "PowerSGD r=2", "PowerSGD r=2 (torch)"],
+            steps=4,
+            make_model=TINY_RESNET,
+            start_iter=2,
+        ),
     ]
     return spawn(call_each, 2, runs, timeout=120)
 
@@ -76,6 +86,23 @@ def test_staleness_within_its_bound(results):
     assert stale["sync"]["loss"] < E.least_squares_loss(torch.zeros(20, dtype=torch.float64))
 
 
+def test_powersgd_on_the_resnet_sends_the_factors_of_every_convolution(results):
+    comp = results[0][5]
+    # a convolution (out, in, h, w) is the matrix (out, in*h*w); vectors (BatchNorm,
+    # biases) and matrices too small to gain go uncompressed: P and Q of rank r = 2
+    floats = 0
+    for p in TINY_RESNET().parameters():
+        n, m = (p.shape[0], p[0].numel()) if p.dim() > 1 else (p.numel(), 1)
+        r = min(2, n, m)
+        floats += r * (n + m) if p.dim() > 1 and r * (n + m) < n * m else p.numel()
+    assert comp["PowerSGD r=2"]["bytes_per_step"] == 4 * floats
+    assert comp["PowerSGD r=2 (torch)"]["bytes_per_step"] == 4 * floats
+    assert comp["none"]["bytes_per_step"] == 4 * comp["none"]["parameters"] > 4 * floats
+    assert all(0 <= r["accuracy"] <= 1 for r in comp.values())
+
+
 def test_too_few_steps_are_refused():
     with pytest.raises(ValueError, match="steps"):
         E.compression_run(0, 1, ["none"], steps=2, start_iter=5)
+    with pytest.raises(ValueError, match="start_iter"):  # torch's PowerSGD needs 2
+        E.compression_run(0, 1, ["none"], steps=5, start_iter=1)
