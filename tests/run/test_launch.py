@@ -1,6 +1,7 @@
 """lsdl_lab.run.launch under torchrun: a killed worker restarts the job from its last
 checkpoint with the weights of an uninterrupted run; two node launches on localhost with
-the c10d rendezvous form one world; the command line's exit code and messages.
+the c10d rendezvous form one world (and are that uninterrupted run); the launcher's
+errors and timeout; the command line's exit code and messages.
 
 Each torchrun costs ~10-30 s on a loaded 2-core machine (it and each worker import
 torch): the two node launches run while the restart test runs.
@@ -8,13 +9,15 @@ torch): the two node launches run while the restart test runs.
 
 import os
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from run_workers import WORLD2, make
 
 from lsdl_lab.dist import free_port
-from lsdl_lab.run import LaunchError, launch, main, torchrun_command
+from lsdl_lab.run import Config, LaunchError, launch, main, read_metrics, torchrun_command
 from lsdl_lab.run.checkpoint import load
 
 LIMIT_S = 240  # no launch may hang a test run
@@ -51,7 +54,7 @@ def two_nodes(tmp_path_factory):
 
 
 def test_a_killed_worker_restarts_from_the_checkpoint_with_the_same_weights(
-    two_nodes, world2, tmp_path, capsys
+    two_nodes, tmp_path, capsys
 ):
     config = make(
         WORLD2["ddp_restart_reference"],
@@ -62,32 +65,66 @@ def test_a_killed_worker_restarts_from_the_checkpoint_with_the_same_weights(
     )
     records = launch(config, nproc=2, max_restarts=1, timeout=LIMIT_S)
     output = capsys.readouterr().out
-    assert "--max-restarts 1" in output and "-m lsdl_lab.run --config" in output
+    assert "--standalone --nproc-per-node 2 --max-restarts 1" in output
+    assert "-m lsdl_lab.run --config" in output
     assert "rank 1: killing itself (SIGKILL) at step 3" in output
     assert "resumed from" in output and "at step 2 (written at world size 2" in output
     assert (tmp_path / "killed" / "killed_at_step_3.marker").exists()
     # steps 1-2 before the kill, 3-5 after the restart, one log
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    root, results = world2
-    uninterrupted = results[0]["ddp_restart_reference"]
-    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]
-    assert _equal_weights(tmp_path / "killed", root / "ddp_restart_reference")
 
-    # meanwhile, two nodes of one process each (c10d rendezvous on localhost)
+    # the uninterrupted twin: two nodes of one process each (c10d rendezvous on localhost)
     run, nodes, command = two_nodes
     outputs = [node.communicate(timeout=LIMIT_S)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "--nnodes 2" in " ".join(command) and "--rdzv-backend c10d" in " ".join(command)
     assert any("world size 2, ddp" in text for text in outputs)
-    assert _equal_weights(run, root / "ddp_restart_reference")
+    uninterrupted = read_metrics(run / "metrics.jsonl")
+    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]
+    assert _equal_weights(tmp_path / "killed", run)
 
 
-def test_launch_reports_a_failed_run(tmp_path):
-    config = make(WORLD2["ddp"], nan_at_step=1, nan_rank=0, out_dir=str(tmp_path / "nan"))
+@pytest.fixture
+def fake_python(tmp_path, monkeypatch):
+    """sys.executable replaced by a script that prints its arguments, a line on stderr,
+    and exits 1 (or sleeps, with LSDL_FAKE_SLEEP): the launcher's plumbing without torch."""
+    script = tmp_path / "python"
+    script.write_text(
+        "#!/bin/sh\n"
+        'echo "ran: $@"\n'
+        'if [ -n "$LSDL_FAKE_SLEEP" ]; then sleep "$LSDL_FAKE_SLEEP"; fi\n'
+        'echo "lsdl_lab.run: rank 0: the training loss became nan at step 1" >&2\n'
+        "exit 1\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(script))
+    return script
+
+
+def test_launch_reports_a_failed_run_with_its_output(fake_python, tmp_path, capsys):
+    config = make(WORLD2["ddp"], out_dir=str(tmp_path / "run"))
     with pytest.raises(LaunchError) as error:
-        launch(config, nproc=1, timeout=LIMIT_S, echo=False)
+        launch(config, nproc=2, max_restarts=1, timeout=LIMIT_S)
     assert error.value.returncode == 1
+    launched = "-m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 1 "
+    launched += f"-m lsdl_lab.run --config {tmp_path / 'run' / 'launch.yaml'}"
+    assert f"ran: {launched}" in error.value.output
     assert "rank 0: the training loss became nan at step 1" in error.value.output
+    assert "rank 0: the training loss became nan at step 1" in str(error.value)
+    assert f"$ {fake_python} {launched}" in capsys.readouterr().out  # echoed
+    assert Config.from_yaml(tmp_path / "run" / "launch.yaml") == config
+    with pytest.raises(LaunchError, match="lsdl_lab.run --config"):
+        launch(config, nproc=1, echo=False)  # one process: no torchrun
+
+
+def test_launch_stops_a_run_past_its_timeout(fake_python, tmp_path, monkeypatch):
+    monkeypatch.setenv("LSDL_FAKE_SLEEP", "60")
+    config = make(WORLD2["ddp"], out_dir=str(tmp_path / "run"))
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"stopped after 1 s") as error:
+        launch(config, nproc=2, timeout=1, echo=False)
+    assert time.monotonic() - start < 30
+    assert error.value.returncode == -1 and "ran: " in error.value.output
 
 
 def test_the_command_line_exits_1_naming_rank_and_step(tmp_path, capsys):
