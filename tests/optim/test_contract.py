@@ -9,6 +9,8 @@ their option sets (the pattern of torch's ``common_optimizers.py``).
 * bad hyperparameters raise ValueError (a bad value) or TypeError (a wrong type, a flag
   that is not a bool) naming the argument, at construction and in ``add_param_group``,
   which then keeps no half-added group;
+* ``compile`` (the compiled path, tests/optim/test_compiled.py) is a keyword-only flag
+  that needs ``foreach=True``;
 * sparse gradients and complex parameters are refused; parameters without a gradient are
   skipped; ``step(closure)`` returns the closure's loss.
 
@@ -404,6 +406,18 @@ def test_the_flags_are_checked_alike():
                        (lambda: optim.Adam(w, foreach=None), "foreach")]:  # fmt: skip
         with pytest.raises(TypeError, match=f"Invalid {flag}: .* \\(expected True or False\\)"):
             make()
+
+
+@pytest.mark.parametrize(
+    "spec", [s for s in OPTIMIZERS if "compile" in inspect.signature(s.cls).parameters], ids=str
+)
+def test_compile_is_a_keyword_that_needs_foreach(spec):
+    # compile=True (lsdl_lab/optim/compiled.py; tests/optim/test_compiled.py) compiles one
+    # graph per group: the per-parameter path (foreach=False) is refused by name
+    w = [torch.zeros(2, requires_grad=True)]
+    assert inspect.signature(spec.cls).parameters["compile"].kind is inspect.Parameter.KEYWORD_ONLY
+    with pytest.raises(ValueError, match=r"Invalid foreach: False with compile=True \(expected"):
+        spec.make(w, **spec.options[0], foreach=False, compile=True)
 
 
 def test_momentum_is_in_zero_one_everywhere():
