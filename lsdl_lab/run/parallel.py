@@ -408,11 +408,24 @@ def check_config(config: Config, world: int) -> None:
             f"Invalid compression: {config.compression!r} with parallel={p!r} (expected "
             "'none': compression is a DDP communication hook; use parallel='ddp')"
         )
-    if p.startswith("zero") and config.optimizer in WHOLE_TENSOR:
+    if p != "ddp" and config.optimizer in WHOLE_TENSOR:
         raise ValueError(
             f"Invalid optimizer: {config.optimizer!r} with parallel={p!r} (expected one whose "
-            f"update is elementwise, not one of {', '.join(WHOLE_TENSOR)}: ZeRO steps flat "
-            "shards, which would change a per-tensor norm or factorization; use ddp or fsdp2)"
+            f"update is elementwise, not one of {', '.join(WHOLE_TENSOR)}: ZeRO and FSDP2 "
+            "step shards, and these need each whole tensor for a norm or a factorization; "
+            "use parallel='ddp')"
+        )
+    if p.startswith("zero") and config.model == "gpt":
+        raise ValueError(
+            f"Invalid parallel: {p!r} with model 'gpt' (expected 'ddp' or 'fsdp2': the GPT "
+            "ties its output layer to its token embedding, and ZeroOptimizer gathers each "
+            "parameter for the one module that owns it)"
+        )
+    if p == "fsdp2" and config.precision == "fp16":
+        raise ValueError(
+            "Invalid precision: 'fp16' with parallel='fsdp2' (expected 'bf16' or 'none': "
+            "lsdl_lab's loss scaler checks plain tensors, and FSDP2's gradients are DTensors; "
+            "bf16 needs no loss scaling)"
         )
     if p == "zero3" and config.activation_checkpoint and config.checkpoint_impl == "lsdl":
         raise ValueError(
