@@ -1,0 +1,259 @@
+"""The ``gpu`` profile, proven on a CPU: a dry run of every lab at its ``gpu`` settings.
+
+Colab's default profile is ``gpu``; a crash, a shape error or an unbounded loop there must
+fail here, not in a student's session. Each lab is executed (nbclient) with
+``LSDL_SCALE=gpu`` on this CPU: the ``gpu`` profile's models (ResNet-20 of width 16, the
+six-layer GPT of width 384 and context 256), its data sets and its code paths. Two caps,
+read by :mod:`lsdl_lab.scale`, make it affordable: ``LSDL_MAX_STEPS`` bounds every loop
+(training steps, races, sweeps, the labs' own loops) and ``LSDL_MAX_EXAMPLES`` every batch
+and measured subset. Nothing else changes.
+
+The data are CIFAR-10 and Tiny Shakespeare as files in their official formats (the
+python-version tar.gz of pickled batches, 50,000 + 10,000 images of 3x32x32 in
+``cifar-10-batches-py/``; a UTF-8 ``input.txt`` of plays), made synthetic here and
+registered in the kernel as the records of ``lsdl_lab.data.REMOTE_FILES`` with their own
+size and checksums, under a data root of their own (``LSDL_DATA``): verification passes
+for these files only, and a record's URL that cannot be fetched makes any download
+attempt fail, so nothing is downloaded.
+
+A lab's own ``assert`` statements check effects (the large batch is sharper, an optimizer
+wins) that need the uncapped steps. In the dry run every notebook ``assert`` is rewritten
+(an IPython AST transformer, notebook code only, never the library's) to evaluate its
+condition, so an error computing it (a shape mismatch, a missing key) still fails, and to
+record a false one instead of raising; the recorded ones are printed. Every other error
+fails the test, and so does a cell that runs past its time limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import tarfile
+import time
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+ROOT = Path(__file__).resolve().parents[1]
+LABS = sorted((ROOT / "labs").glob("lab*.ipynb"))
+# Two steps (a loop whose first step is special still runs an ordinary one); 16 images; a
+# text window of 256 tokens counts 256 examples (tokens), so texts get one.
+MAX_STEPS, MAX_EXAMPLES = 2, 16
+# Seconds a cell may take. A capped cell takes seconds on a quiet machine and minutes on a
+# busy one; a loop the caps do not bound runs for hours at gpu sizes, past this, and fails.
+CELL_TIMEOUT = 600
+# The classes in the order of the official batches.meta.
+CLASSES = "airplane automobile bird cat deer dog frog horse ship truck".split()
+
+
+# --- the synthetic data sets, in the official formats ---------------------------------------
+
+
+def _batch_pickle(obj) -> bytes:
+    # Protocol 2 with the numpy module name of numpy 1, as in the official Python 2 pickles.
+    return pickle.dumps(obj, protocol=2).replace(
+        b"numpy._core.multiarray", b"numpy.core.multiarray"
+    )
+
+
+def _images(n: int, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+    """``n`` rows of 3072 uint8 (1024 red, 1024 green, 1024 blue, each row-major) and labels:
+    a class-coloured gradient with noise in the low bits, so the archive compresses fast."""
+    labels = rng.integers(0, 10, size=n)
+    ramp = np.arange(1024, dtype=np.int64) // 32 * 4  # rows get brighter: 0..124
+    base = (labels[:, None, None] * 13 + np.array([0, 40, 80])[None, :, None]) % 128
+    pixels = base + ramp[None, None, :] + rng.integers(0, 4, size=(n, 1, 1))
+    return pixels.reshape(n, 3072).astype(np.uint8), [int(c) for c in labels]
+
+
+def write_cifar10(path: Path, per_batch: int = 2_000, seed: int = 0) -> None:
+    """CIFAR-10's python-version archive: five training batches and a test batch of
+    ``per_batch`` images each and ``batches.meta``, pickled dicts with bytes keys, in
+    ``cifar-10-batches-py/``. The real batches hold 10,000 images; 2,000 keep the archive
+    quick to write and load while the training set (10,000) still holds the largest batch
+    of any lab (8,192, Lab 4a)."""
+    rng = np.random.default_rng(seed)
+    members = {}
+    for name in [f"data_batch_{k}" for k in range(1, 6)] + ["test_batch"]:
+        data, labels = _images(per_batch, rng)
+        members[name] = {
+            b"batch_label": name.encode(),
+            b"labels": labels,
+            b"data": data,
+            b"filenames": [b"synthetic_%05d.png" % i for i in range(len(labels))],
+        }
+    members["batches.meta"] = {
+        b"label_names": [c.encode() for c in CLASSES],
+        b"num_cases_per_batch": per_batch,
+        b"num_vis": 3072,
+    }
+    with tarfile.open(path, "w:gz", compresslevel=1) as tar:
+        for name, obj in members.items():
+            payload = _batch_pickle(obj)
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+
+
+def write_tiny_shakespeare(path: Path, chars: int = 1_115_394, seed: int = 0) -> None:
+    """A play's text as Karpathy's ``input.txt`` lays it out (a speaker's name and colon on
+    a line, lines of speech, a blank line), of Tiny Shakespeare's length, in its alphabet."""
+    rng = np.random.default_rng(seed)
+    names = ["First Citizen", "MENENIUS", "CORIOLANUS", "ROMEO", "JULIET", "KING RICHARD III"]
+    words = (
+        "the and to of I you my a that in is not it with me be your his for this but he "
+        "have as thou so will what her thy all no by shall do lord if are good O come "
+        "Let's we'll nay; sir, well! why? now: there - here & more... Zounds, quoth-jest"
+    ).split()
+    speeches = [f"{names[i]}:\n" for i in range(len(names))]
+    # Lines of 4 to 11 words; every 1 to 4 lines a speech ends and a name begins the next.
+    n_words = chars // 4
+    text = np.array(words, dtype=object)[rng.integers(0, len(words), n_words)]
+    ends = np.cumsum(rng.integers(4, 12, size=n_words // 4))
+    ends = ends[ends < n_words]
+    text[ends] = text[ends] + np.where(
+        rng.random(len(ends)) < 0.3,
+        [f".\n\n{speeches[k]}" for k in rng.integers(0, len(names), len(ends))],
+        ",\n",
+    )
+    body = (speeches[0] + " ".join(text.tolist())).replace("\n ", "\n")
+    path.write_text(body[:chars], encoding="utf-8")
+
+
+def _record(title: str, path: Path) -> dict:
+    data = path.read_bytes()
+    return {
+        "title": title,
+        # Unfetchable: a download attempt (a failed verification) errors out, offline.
+        "url": f"file:///nonexistent/lsdl-dry-run/{path.name}",
+        "filename": path.name,
+        "size": len(data),
+        "md5": hashlib.md5(data).hexdigest(),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+@pytest.fixture(scope="module")
+def gpu_data(tmp_path_factory) -> tuple[Path, dict]:
+    """The data root and the records (RemoteFile arguments) of the two synthetic files."""
+    root = tmp_path_factory.mktemp("lsdl_data")
+    write_cifar10(root / "cifar-10-python.tar.gz")
+    write_tiny_shakespeare(root / "tiny_shakespeare.txt")
+    records = {
+        "cifar10": _record("synthetic CIFAR-10 archive", root / "cifar-10-python.tar.gz"),
+        "tiny_shakespeare": _record("synthetic Tiny Shakespeare", root / "tiny_shakespeare.txt"),
+    }
+    return root, records
+
+
+# --- the dry run ---------------------------------------------------------------------------
+
+SETUP = """\
+import ast as _ast
+
+from lsdl_lab.data import REMOTE_FILES as _REMOTE_FILES, RemoteFile as _RemoteFile
+
+for _name, _record in {records!r}.items():
+    _REMOTE_FILES[_name] = _RemoteFile(**_record)
+
+_dry_run_false_asserts = []
+
+
+class _RecordFalseAsserts(_ast.NodeTransformer):
+    # `assert test, msg` -> `if not (test): _dry_run_false_asserts.append(<source of test>)`
+    def visit_Assert(self, node):
+        record = _ast.parse(
+            f"_dry_run_false_asserts.append({{_ast.unparse(node.test)!r}})"
+        ).body[0]
+        new = _ast.If(test=_ast.UnaryOp(_ast.Not(), node.test), body=[record], orelse=[])
+        return _ast.copy_location(new, node)
+
+
+get_ipython().ast_transformers.append(_RecordFalseAsserts())
+"""
+
+REPORT = "import json as _json\nprint('DRY-RUN-ASSERTS', _json.dumps(_dry_run_false_asserts))"
+
+
+def dry_run_env(root: Path) -> dict:
+    paths = [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+        "LSDL_SCALE": "gpu",
+        "LSDL_MAX_STEPS": str(MAX_STEPS),
+        "LSDL_MAX_EXAMPLES": str(MAX_EXAMPLES),
+        "LSDL_DATA": str(root),
+        "OMP_NUM_THREADS": "1",
+        "TQDM_DISABLE": "1",
+        "MPLBACKEND": "Agg",
+    }
+
+
+def first_error(nb) -> str | None:
+    for index, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []):
+            if output.output_type == "error":
+                trace = "\n".join(output.get("traceback", [])[-6:])
+                return f"cell {index}: {output.ename}: {output.evalue}\n{trace}"
+    return None
+
+
+# Labs whose loops run in processes of their own that do not read the caps yet: at gpu
+# they would run their full trainings here. Skipped with the reason shown, never silently.
+DEFERRED = {
+    "lab07_communication": "its worlds of processes (lsdl_lab.dist.experiments) ignore the caps",
+    "lab09_combined_recipe": "its torchrun launches (lsdl_lab.run) ignore the caps",
+}
+
+
+def _params():
+    for lab in LABS:
+        why = DEFERRED.get(lab.stem)
+        marks = [pytest.mark.skip(reason=f"not in the dry run yet: {why}")] if why else []
+        yield pytest.param(lab, id=lab.stem, marks=marks)
+
+
+@pytest.mark.parametrize("lab", list(_params()))
+def test_lab_runs_at_the_gpu_profile(lab, gpu_data, capsys):
+    root, records = gpu_data
+    nb = nbformat.read(lab, as_version=4)
+    # After the install cell (the first code cell), before the lab's imports.
+    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    nb.cells.insert(first + 1, nbformat.v4.new_code_cell(SETUP.format(records=records)))
+    nb.cells.append(nbformat.v4.new_code_cell(REPORT))
+    client = NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(lab.parent)}},
+    )
+    start = time.perf_counter()
+    try:
+        client.execute(env=dry_run_env(root))
+    except CellTimeoutError as err:
+        pytest.fail(f"{lab.name} at gpu: a cell ran past {CELL_TIMEOUT} s ({err})")
+    except CellExecutionError:
+        pass
+    seconds = time.perf_counter() - start
+    error = first_error(nb)
+    assert error is None, f"{lab.name} at gpu (dry run): {error}"
+    # A stream may arrive in pieces: join them before reading the line.
+    printed_last = "".join(output.get("text", "") for output in nb.cells[-1].outputs)
+    report = [line for line in printed_last.splitlines() if line.startswith("DRY-RUN-ASSERTS ")]
+    assert len(report) == 1, nb.cells[-1].outputs
+    false_asserts = json.loads(report[0].removeprefix("DRY-RUN-ASSERTS "))
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    with capsys.disabled():
+        print(
+            f"\n{lab.stem}: dry run at gpu in {seconds:.1f} s; {len(false_asserts)} effect "
+            f"assertion(s) false under the caps: {false_asserts}"
+        )
+    assert "lsdl_lab: profile 'gpu' on cpu" in printed
