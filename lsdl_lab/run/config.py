@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .. import optim
 from .._util import check_bool, check_choice, check_int, check_real
 
 __all__ = [
@@ -36,21 +37,13 @@ __all__ = [
 
 MODELS = ("mlp", "resnet", "gpt")
 DATASETS = ("", "digits", "cifar10", "python_source", "tiny_shakespeare")
-# Optimizers whose step() needs nothing but gradients (no closure, no model hooks).
-OPTIMIZERS = (
-    "SGD",
-    "Adagrad",
-    "RMSprop",
-    "Adadelta",
-    "Adam",
-    "AdamW",
-    "Adamax",
-    "NAdam",
-    "LARS",
-    "LAMB",
-    "Adafactor",
-    "SM3",
-    "Shampoo",
+# The optimizers of lsdl_lab.optim whose step() needs nothing but the gradients: not SAM
+# (a closure), Newton and HessianFree (a closure), K-FAC (hooks on the model).
+OPTIMIZERS = tuple(
+    name
+    for name in optim.__all__
+    if isinstance(getattr(optim, name), type)
+    and name not in ("Optimizer", "SAM", "Newton", "HessianFree", "KFAC")
 )
 SCHEDULES = ("constant", "cosine", "linear")
 PARALLELS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")

@@ -8,6 +8,7 @@ torch): the two node launches run while the restart test runs.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,14 +43,19 @@ def two_nodes(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
         subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,  # its own process group: the workers end with it
         )
         for _ in range(2)
     ]
     yield out / "run", nodes, command
     for node in nodes:
         if node.poll() is None:
-            node.kill()
+            os.killpg(node.pid, signal.SIGKILL)
             node.wait()
 
 
