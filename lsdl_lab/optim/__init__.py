@@ -8,6 +8,8 @@ and denominator, weight decay), :mod:`lsdl_lab.optim.layerwise` the trust ratio 
 parameter groups of LARS and LAMB.
 :class:`SAM` is a wrapper: sharpness-aware minimization around any of them (or any
 torch.optim optimizer).
+``compile=True`` on any of them runs the same update through ``torch.compile``, each
+parameter's operations fused into one pass over memory (:mod:`lsdl_lab.optim.compiled`).
 """
 
 from .adadelta import Adadelta
