@@ -257,3 +257,48 @@ def test_lab_runs_at_the_gpu_profile(lab, gpu_data, capsys):
             f"assertion(s) false under the caps: {false_asserts}"
         )
     assert "lsdl_lab: profile 'gpu' on cpu" in printed
+
+
+# --- the machinery, checked on its own --------------------------------------------------------
+
+
+def test_synthetic_files_verify_only_under_their_own_records(gpu_data):
+    from lsdl_lab.data import (
+        REMOTE_FILES,
+        DataIntegrityError,
+        RemoteFile,
+        files,
+        load_cifar10,
+        load_tiny_shakespeare,
+    )
+
+    root, records = gpu_data
+    for name, record in records.items():
+        real = REMOTE_FILES[name]
+        with pytest.raises(DataIntegrityError):  # the published checksums reject them
+            files.fetch(real, root, download=False)
+        files.fetch(RemoteFile(**record), root, download=False)
+    images = load_cifar10(root, download=False, remote=RemoteFile(**records["cifar10"]))
+    assert images.train_x.shape == (10_000, 3, 32, 32) and images.test_x.shape[1:] == (3, 32, 32)
+    assert images.classes == tuple(CLASSES)
+    text = load_tiny_shakespeare(
+        root, download=False, remote=RemoteFile(**records["tiny_shakespeare"])
+    )
+    assert len(text.train) + len(text.val) == 1_115_394 and 40 < text.vocab_size < 80
+
+
+def test_the_dry_run_records_false_asserts_and_fails_on_errors(gpu_data, tmp_path):
+    root, records = gpu_data
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(SETUP.format(records=records)),
+        nbformat.v4.new_code_cell("import torch\nassert 1 + 1 == 3, 'an effect'\nx = 1"),
+        nbformat.v4.new_code_cell(REPORT),
+        nbformat.v4.new_code_cell("torch.zeros(2, 3) @ torch.zeros(2, 3)  # a shape error"),
+    ]
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3")
+    with pytest.raises(CellExecutionError):
+        client.execute(env=dry_run_env(root))
+    assert "DRY-RUN-ASSERTS " + json.dumps(["1 + 1 == 3"]) in nb.cells[2].outputs[0]["text"]
+    error = first_error(nb)
+    assert error is not None and error.startswith("cell 3: RuntimeError")
