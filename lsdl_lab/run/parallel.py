@@ -427,10 +427,15 @@ def check_config(config: Config, world: int) -> None:
             "lsdl_lab's loss scaler checks plain tensors, and FSDP2's gradients are DTensors; "
             "bf16 needs no loss scaling)"
         )
-    if p == "zero3" and config.activation_checkpoint and config.checkpoint_impl == "lsdl":
+    if (
+        p in ("zero3", "fsdp2")
+        and config.activation_checkpoint
+        and config.checkpoint_impl == "lsdl"
+    ):
         raise ValueError(
-            "Invalid checkpoint_impl: 'lsdl' with parallel='zero3' (expected 'torch': "
-            "Recompute takes the parameters as inputs, which ZeRO-3 frees between uses)"
+            f"Invalid checkpoint_impl: 'lsdl' with parallel={p!r} (expected 'torch': "
+            "Recompute takes the parameters as inputs of its forward, and ZeRO-3 and FSDP2 "
+            "free and re-gather them between uses; with FSDP2 the gradients came out wrong)"
         )
 
 

@@ -36,6 +36,11 @@ WORLD2 = {
     "zero3_accumulate": dict(BASE, parallel="zero3", micro_batch=4),
     "fsdp2": dict(BASE, parallel="fsdp2"),
     "fsdp2_accumulate": dict(BASE, parallel="fsdp2", micro_batch=8),
+    "fsdp2_recompute": dict(BASE, parallel="fsdp2", activation_checkpoint=2),
+    "zero3_recompute": dict(BASE, parallel="zero3", activation_checkpoint=2),
+    "ddp_recompute_lsdl": dict(
+        BASE, parallel="ddp", activation_checkpoint=2, checkpoint_impl="lsdl"
+    ),
     # Adam: top-k with error feedback still learns (SGD at this size barely moves in 30)
     "topk": dict(CONSTANT, parallel="ddp", compression="topk", compression_ratio=0.1, steps=30),
     "zero2_3_steps": dict(CONSTANT, parallel="zero2", steps=3),

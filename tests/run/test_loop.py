@@ -1,5 +1,6 @@
-"""lsdl_lab.run.loop: equivalence of the data-parallel runs with one process, accumulation,
-compression, the NaN stop on every rank, exact resume and ZeRO re-partitioned on resume.
+"""lsdl_lab.run.loop: equivalence of the data-parallel runs with one process (with
+accumulation and activation checkpointing too), compression, the NaN stop on every rank,
+exact resume and ZeRO re-partitioned on resume.
 
 The world-2 runs happen once per session in one spawned world (conftest.world2, gloo,
 float64); the one-process references run here.
@@ -48,6 +49,9 @@ EQUIVALENT = [
     "zero3_accumulate",
     "fsdp2",
     "fsdp2_accumulate",
+    "fsdp2_recompute",
+    "zero3_recompute",
+    "ddp_recompute_lsdl",
 ]
 
 
@@ -197,6 +201,10 @@ def test_bad_combinations_are_refused_naming_the_option(tmp_path):
         (dict(parallel="fsdp2", optimizer="LARS"), "Invalid optimizer: 'LARS' with parallel"),
         (dict(parallel="fsdp2", precision="fp16"), "Invalid precision: 'fp16' with parallel"),
         (dict(parallel="zero3", model="gpt"), "Invalid parallel: 'zero3' with model 'gpt'"),
+        (
+            dict(parallel="fsdp2", activation_checkpoint=2, checkpoint_impl="lsdl"),
+            "Invalid checkpoint_impl: 'lsdl' with parallel='fsdp2'",
+        ),
         (dict(warmup_steps=4), r"Invalid warmup_steps: 4 \(expected an int in \[0, 3\]"),
         (dict(global_batch=1000), r"Invalid global_batch: 1000 \(expected an int in \[1, 512\]"),
         (dict(optimizer="SM3", weight_decay=0.1), "Invalid weight_decay: 0.1"),
