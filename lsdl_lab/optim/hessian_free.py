@@ -280,10 +280,10 @@ class HessianFree(SecondOrderOptimizer):
         candidates = info.iterates or (Iterate(info.iterations, delta, math.nan),)
         # the model's slope and curvature of each candidate step d = lr * delta_k, before the
         # moves below change the weights that G's graph was built on
-        priced = [(c, lr * c.x, *self.model_terms(G, g, c, lr)) for c in candidates]
+        priced = [(c, *self.model_terms(G, g, c, lr)) for c in candidates]
         del G
         f0 = loss.item()
-        iteration, d, slope, curvature, f_new = self.backtrack(closure, params, priced, f0)
+        iteration, d, slope, curvature, f_new = self.backtrack(closure, params, priced, lr)
         alpha, f_line = self.take_step(closure, params, unflatten(d, params), f0, slope,
                                        first["line_search"])  # fmt: skip
         f_new = f_line if first["line_search"] else f_new
@@ -309,17 +309,18 @@ class HessianFree(SecondOrderOptimizer):
             return (g @ d).item(), eta**2 * (c.xAx - (c.x * G.damping) @ c.x).item()
         return (g @ d).item(), (d @ G.ggn(d)).item()
 
-    def backtrack(self, closure, params: list[Tensor], priced: list, f0: float):
-        """Martens (2010), Sec. 4.6: from the last kept iterate back, the loss at each while it
-        decreases; (iteration, step, slope, curvature, loss there or None if not evaluated).
-        With one candidate (no backtracking) nothing is evaluated; the weights are left where
-        they started."""
+    def backtrack(self, closure, params: list[Tensor], priced: list, lr: Tensor):
+        """Martens (2010), Sec. 4.6: from the last kept iterate back, the loss at each step
+        ``lr * x_k`` while it decreases; (iteration, step, slope, curvature, loss there or None
+        if not evaluated). With one candidate (no backtracking) nothing is evaluated; the
+        weights are left where they started."""
         if len(priced) == 1:
-            c, d, slope, curvature = priced[0]
-            return c.k, d, slope, curvature, None
+            c, slope, curvature = priced[0]
+            return c.k, lr * c.x, slope, curvature, None
         start = [p.detach().clone() for p in params]
         best = None
-        for c, d, slope, curvature in reversed(priced):
+        for c, slope, curvature in reversed(priced):
+            d = lr * c.x
             self.move(params, start, unflatten(d, params), 1.0)
             f = loss_of(closure()).item()
             if best is not None and not f < best[-1]:
