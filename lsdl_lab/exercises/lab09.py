@@ -190,15 +190,3 @@ def _sorted_tuples(student_fn):
         return sorted(tuple(int(x) for x in layout) for layout in student_fn(*args, **kwargs))
 
     return normalized
-
-
-def run_rank(rank: int, world_size: int, config):
-    """One rank of a training run of the entry point (:func:`lsdl_lab.run.train`) in a
-    world started by :func:`lsdl_lab.dist.spawn`: the lab compares several short runs in
-    worlds forked from one server that has imported torch once, instead of paying a
-    ``torchrun`` start (a new Python per rank) for each. ``train`` joins the spawned world
-    as it joins ``torchrun``'s; rank 0 returns the metrics records."""
-    from ..run import train  # the entry point is imported in the rank, not at lab import
-
-    del rank, world_size  # train reads both from the process group spawn created
-    return train(config)

@@ -7,7 +7,8 @@
 * :mod:`~lsdl_lab.run.loop`: :func:`train`, one run on this process;
 * :mod:`~lsdl_lab.run.checkpoint`: atomic checkpoints that load with ``weights_only=True``;
 * :mod:`~lsdl_lab.run.metrics`: the JSON-lines metrics log;
-* :mod:`~lsdl_lab.run.launch`: :func:`launch` (``torchrun`` from a notebook) and the CLI.
+* :mod:`~lsdl_lab.run.launch`: :func:`launch` (``torchrun`` from a notebook),
+  :func:`spawn_run` (a world of :func:`lsdl_lab.dist.spawn`) and the CLI.
 
 From a shell::
 
@@ -21,7 +22,7 @@ From a notebook::
 
 from .checkpoint import CheckpointError
 from .config import Config, load_config, parser
-from .launch import LaunchError, launch, main, torchrun_command
+from .launch import LaunchError, launch, main, run_rank, spawn_run, torchrun_command
 from .loop import train
 from .metrics import read_metrics
 
@@ -34,6 +35,8 @@ __all__ = [
     "main",
     "parser",
     "read_metrics",
+    "run_rank",
+    "spawn_run",
     "torchrun_command",
     "train",
 ]

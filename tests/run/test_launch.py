@@ -18,7 +18,16 @@ import torch
 from run_workers import WORLD2, make
 
 from lsdl_lab.dist import free_port
-from lsdl_lab.run import Config, LaunchError, launch, main, read_metrics, torchrun_command
+from lsdl_lab.run import (
+    Config,
+    LaunchError,
+    launch,
+    main,
+    read_metrics,
+    run_rank,
+    spawn_run,
+    torchrun_command,
+)
 from lsdl_lab.run.checkpoint import load
 
 LIMIT_S = 240  # no launch may hang a test run
@@ -141,3 +150,19 @@ def test_the_command_line_exits_1_naming_rank_and_step(tmp_path, capsys):
     assert "lsdl_lab.run: rank 0: the training loss became nan at step 2" in err
     assert main(flags[:-2]) == 0  # resumes at step 2 from nowhere: no checkpoint was saved
     assert load(tmp_path / "cli" / "checkpoint.pt")["step"] == 3
+
+
+def test_spawn_run_is_the_runs_world_of_two_in_spawned_processes(world2, tmp_path):
+    """spawn_run's world computes what the session's spawned world computed for the same
+    config (the same train, the same batches): rank 0's records, the same weights."""
+    root, results = world2
+    records = spawn_run(make(WORLD2["ddp"], out_dir=str(tmp_path / "ddp")), 2, timeout=LIMIT_S)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["world_size"] == 2 for r in records)
+    assert [r["loss"] for r in records] == [r["loss"] for r in results[0]["ddp"]]
+    assert _equal_weights(tmp_path / "ddp", root / "ddp")
+    with pytest.raises(TypeError, match="Invalid config"):
+        spawn_run(dict(WORLD2["ddp"]), 2)
+    with pytest.raises(ValueError, match="Invalid nproc"):
+        spawn_run(make(WORLD2["ddp"]), 0)
+    assert run_rank.__module__ == "lsdl_lab.run.launch"  # spawn finds the worker by name
