@@ -96,10 +96,17 @@ def grades(course: Path, assignment: str, notebook: str, student: str) -> dict[s
 def test_lab_under_nbgrader(lab, tmp_path):
     course, assignment = make_course(tmp_path / "course", lab)
     source = nbformat.read(lab, as_version=4)
+    graded_cells = [cell for cell in source.cells if cell.metadata.get("nbgrader", {}).get("grade")]
     checkers = {
         cell.metadata["nbgrader"]["grade_id"]: cell.metadata["nbgrader"]["points"]
-        for cell in source.cells
-        if cell.metadata.get("nbgrader", {}).get("grade")
+        for cell in graded_cells
+        if cell.cell_type == "code"
+    }
+    # Markdown model answers are manually graded: nbgrader keeps their points for a person.
+    answers = {
+        cell.metadata["nbgrader"]["grade_id"]: cell.metadata["nbgrader"]["points"]
+        for cell in graded_cells
+        if cell.cell_type == "markdown"
     }
     assert checkers, f"{lab.name} has no autograded cell"
 
@@ -124,7 +131,9 @@ def test_lab_under_nbgrader(lab, tmp_path):
     nbgrader(course, "autograde", assignment)
 
     blank = grades(course, assignment, lab.stem, "blank")
-    assert blank == {grade_id: (0.0, points) for grade_id, points in checkers.items()}
+    assert set(blank) == set(checkers) | set(answers)
+    assert {k: blank[k] for k in checkers} == {k: (0.0, points) for k, points in checkers.items()}
+    assert {k: blank[k][1] for k in answers} == answers
     # The rest still ran: every code cell executed, and the only cells that failed are
     # checkers or cells that call an exercise's function.
     ran = nbformat.read(course / "autograded" / "blank" / assignment / lab.name, as_version=4)
@@ -143,4 +152,4 @@ def test_lab_under_nbgrader(lab, tmp_path):
             assert uses_exercise.search(cell.source), f"cell {index} failed: {errors}"
     if graded_source:
         solver = grades(course, assignment, lab.stem, "solver")
-        assert solver == {grade_id: (points, points) for grade_id, points in checkers.items()}
+        assert {k: solver[k] for k in checkers} == {k: (p, p) for k, p in checkers.items()}

@@ -453,7 +453,12 @@ def test_lab_nbgrader_metadata_matches_its_markers(path):
         f"{path.name}: run lsdl-student --nbgrader {path.relative_to(ROOT)}"
     )
     nb = nbformat.read(path, as_version=4)
-    checkers = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    graded = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    # A Markdown model answer is a manually graded solution; every other graded cell checks
+    # a code exercise.
+    answers = [c for c in graded if c.cell_type == "markdown"]
+    assert all(c.metadata["nbgrader"]["solution"] for c in answers)
+    checkers = [c for c in graded if c.cell_type == "code"]
     exercises = {s.cell for s in find_solutions(nb) if nb.cells[s.cell].cell_type == "code"}
     assert len(checkers) == len(exercises)
     assert all(c.source.startswith("check.checker(") for c in checkers)
