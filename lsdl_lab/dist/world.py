@@ -10,7 +10,9 @@ can talk to each other. There are two ways to be in one:
   an error, not after a ``KeyboardInterrupt``.
 * :func:`init_from_env` (or the context :func:`world_from_env`) joins a world that a
   launcher such as ``torchrun`` started, from the environment variables ``RANK``,
-  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; under
+  ``torchrun`` each round of workers (after a restart) under its own keys of the
+  launcher's store.
 
 Both pass a ``timeout`` to ``init_process_group``: a collective that can never complete
 (a peer died, a deadlock) then raises after ``timeout`` seconds instead of hanging
@@ -124,7 +126,10 @@ def init_from_env(backend: str | None = None, timeout: float = 60.0) -> tuple[in
     """Join the world described by the environment (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, as ``torchrun`` sets them) and return
     ``(rank, world_size)``. Every collective of the group raises after ``timeout`` seconds
-    instead of hanging. With NCCL, the process uses GPU ``LOCAL_RANK``."""
+    instead of hanging. With NCCL, the process uses GPU ``LOCAL_RANK``. Under ``torchrun``
+    (``TORCHELASTIC_RUN_ID`` set), the ranks of each round of workers find each other
+    under keys of their own in the launcher's store, so a restarted world never reads a
+    killed rank's address."""
     timeout = check_positive("timeout", timeout)
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0) if "LOCAL_RANK" in os.environ else 0
@@ -140,14 +145,43 @@ def init_from_env(backend: str | None = None, timeout: float = 60.0) -> tuple[in
         raise RuntimeError("This process is already in a world; call destroy() first")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(
-        backend,
-        init_method="env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+    delta = datetime.timedelta(seconds=timeout)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun, which may restart the workers
+        store = _round_store(rank, world_size, delta)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=delta
+        )
+    else:
+        dist.init_process_group(
+            backend, init_method="env://", rank=rank, world_size=world_size, timeout=delta
+        )
     return rank, world_size
+
+
+def _round_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The launcher's store, with the keys of this round of workers under their own prefix.
+
+    torchrun keeps its key-value store across restarts, and the default process group
+    finds its peers under the same keys every time: a restarted rank can read the address
+    that the killed rank published and fail ("Gloo connectFullMesh failed ... Connection
+    refused", seen with torch 2.13 under ``--standalone``). Each round counts itself in
+    the store (every rank of round k draws a number in [kW + 1, (k + 1)W]) and keeps its
+    keys under that round's prefix. The count, not ``TORCHELASTIC_RESTART_COUNT``: that is
+    each node's agent's own count, which need not agree across nodes that joined the job
+    at different restarts. (A rank that dies before this point would shift the count; the
+    collectives' timeout then ends the round with an error, not a hang.)
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    round_ = (store.add("lsdl_lab.dist/joined", 1) - 1) // world_size
+    return dist.PrefixStore(f"lsdl_lab.dist/round{round_}/", store)
 
 
 def destroy() -> None:

@@ -1,8 +1,9 @@
 """The run itself: :func:`train` does one whole run of a :class:`Config` on this process.
 
 Under ``torchrun`` (the environment names ``RANK`` and ``WORLD_SIZE``) the process joins
-the launcher's world with :func:`lsdl_lab.dist.init_from_env`, every collective bounded
-by ``config.timeout``; alone, it runs as a world of one (with a process group of one
+the launcher's world with :func:`lsdl_lab.dist.init_from_env` (each round of restarted
+workers under its own keys of torchrun's store), every collective bounded by
+``config.timeout``; alone, it runs as a world of one (with a process group of one
 only where ZeRO, FSDP2 or a compression hook need one). The device is ``cuda:LOCAL_RANK``
 where CUDA is present, else the CPU; the backend NCCL or gloo to match.
 
@@ -73,10 +74,8 @@ def _join(config: Config, device: torch.device) -> tuple[int, int, bool]:
     backend = config.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun, which may restart the workers
-        rank, world = _join_elastic(backend, config.timeout)
-        return rank, world, True
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # another launcher
+    # torchrun (each round of restarted workers under its own keys) or another launcher
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         rank, world = init_from_env(backend, config.timeout)
         return rank, world, True
     if config.parallel != "ddp" or config.compression != "none":
@@ -89,36 +88,6 @@ def _join(config: Config, device: torch.device) -> tuple[int, int, bool]:
         )
         return 0, 1, True
     return 0, 1, False
-
-
-def _join_elastic(backend: str, timeout: float) -> tuple[int, int]:
-    """Join a world that torchrun started, in a key space of this round of workers.
-
-    torchrun keeps its key-value store across restarts, and the default process group
-    finds its peers under the same keys every time: a restarted rank can read the address
-    that the killed rank published and fail ("Gloo connectFullMesh failed ... Connection
-    refused", seen with torch 2.13 under ``--standalone``). Each round here counts itself in
-    the store (every rank of round k draws a number in [kW + 1, (k + 1)W]) and keeps its
-    keys under that round's prefix. (A rank that dies before this point would shift the
-    count; the collectives' timeout then ends the round with an error, not a hang.)
-    """
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    delta = datetime.timedelta(seconds=timeout)
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=not agent_store and rank == 0,
-        timeout=delta,
-        multi_tenant=True,
-    )
-    round_ = (store.add("lsdl_lab.run/joined", 1) - 1) // world
-    store = dist.PrefixStore(f"lsdl_lab.run/round{round_}/", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
-    return rank, world
 
 
 def train(config: Config) -> list[dict]:

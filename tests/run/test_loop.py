@@ -8,12 +8,15 @@ float64); the one-process references run here.
 
 import math
 import shutil
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from run_workers import BASE, CONSTANT, WORLD2, config, make
 
 from lsdl_lab import compress
+from lsdl_lab.dist import free_port
 from lsdl_lab.run import Config, read_metrics, train
 from lsdl_lab.run.checkpoint import load
 
@@ -213,3 +216,22 @@ def test_bad_combinations_are_refused_naming_the_option(tmp_path):
     for changes, message in cases:
         with pytest.raises(ValueError, match=message):
             train(Config(**{**BASE, **changes, "out_dir": str(tmp_path / "bad")}))
+
+
+def test_each_round_of_torchrun_workers_joins_under_its_own_keys(tmp_path, monkeypatch):
+    """Under torchrun (its agent's store, kept across restarts), every round of workers
+    counts itself in the store and keeps its keys under its own prefix
+    (lsdl_lab.dist.init_from_env): a restarted rank cannot read a killed one's address."""
+    port = free_port()
+    agent = dist.TCPStore(  # stands for torchrun's agent store
+        "127.0.0.1", port, 1, is_master=True, multi_tenant=True, timeout=timedelta(seconds=30)
+    )
+    env = dict(TORCHELASTIC_RUN_ID="test", TORCHELASTIC_USE_AGENT_STORE="True", RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for round_ in range(2):  # the first run and its restart
+        records = train(make(CONSTANT, steps=1, out_dir=str(tmp_path / f"round{round_}")))
+        assert records[-1]["world_size"] == 1 and not dist.is_initialized()
+        assert agent.add("lsdl_lab.dist/joined", 0) == round_ + 1
