@@ -64,7 +64,8 @@ def test_lab_plan_against_a_measured_world_of_two(tmp_path):
     workers = [functools.partial(measure_link, nbytes=(4096, 1 << 18, 1 << 20), repeats=3)]
     workers += [functools.partial(run_rank, config=c) for c in runs.values()]
     link, *records = spawn(call_each, 2, workers, timeout=120)[0]
-    assert link.alpha >= 0 and 0 < link.beta < 1e-6  # loopback: faster than 1 MB/s
+    # loopback: under 0.1 s a message, faster than 1 MB/s (a fit may put one at 0)
+    assert 0 <= link.alpha < 0.1 and 0 <= link.beta < 1e-6
     for parallel, measured in zip(runs, records, strict=True):
         planned = planned_run(model, link, rate, parallel=parallel)
         assert (planned.dp, planned.zero_stage) == (2, 0 if parallel == "ddp" else 3)
