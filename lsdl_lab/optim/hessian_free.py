@@ -196,13 +196,14 @@ class HessianFree(SecondOrderOptimizer):
         max_bytes: int | None = None,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr, damping=damping, cg_iters=cg_iters, cg_tol=cg_tol,
             warm_start_decay=warm_start_decay, line_search=line_search,
             adapt_damping=adapt_damping, cg_backtracking=cg_backtracking, max_bytes=max_bytes,
         )  # fmt: skip
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
         self.last: dict = {}
 
     shared = ("cg_iters", "cg_tol", "warm_start_decay", "line_search", "adapt_damping",

@@ -73,7 +73,7 @@ from torch import Tensor, nn
 
 from .._util import check_choice, check_int, check_positive, check_real, generator
 from .base import Optimizer
-from .pieces import coupled_weight_decay, momentum
+from .pieces import add_scaled_, coupled_weight_decay, momentum
 
 __all__ = ["KFAC", "kfac_precondition"]
 
@@ -171,6 +171,7 @@ class KFAC(Optimizer):
         params=None,
         seed: int | None = None,
         foreach: bool = True,
+        compile: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Invalid model: a {type(model).__name__} (expected an nn.Module)")
@@ -184,7 +185,9 @@ class KFAC(Optimizer):
             momentum=momentum,
             weight_decay=weight_decay,
         )
-        super().__init__(model.parameters() if params is None else params, defaults, foreach)
+        super().__init__(
+            model.parameters() if params is None else params, defaults, foreach, compile
+        )
         if not any(_supported(m) for m in model.modules()):
             raise ValueError(
                 f"Invalid model: a {type(model).__name__} without nn.Linear or nn.Conv2d "
@@ -300,7 +303,8 @@ class KFAC(Optimizer):
                 "KFAC has no factors for a layer: with fisher='true', call "
                 "optimizer.backward(loss) instead of loss.backward()"
             )
-        state["step"] = t = state.get("step", 0) + 1
+        # its own count: "step" is the base class's per-parameter step count
+        state["factor_step"] = t = state.get("factor_step", 0) + 1
         if (t - 1) % group["update_freq"] == 0:
             for name in ("A", "G"):
                 try:
@@ -353,4 +357,4 @@ class KFAC(Optimizer):
         if mu:
             first = not self.has_state(params, "momentum_buffer")
             d = momentum(self.buffer(params, "momentum_buffer", like=d), d, mu, 0.0, False, first)
-        torch._foreach_add_(params, d, alpha=-group["lr"])
+        add_scaled_(params, d, -group["lr"])

@@ -121,12 +121,13 @@ class Newton(SecondOrderOptimizer):
         max_params: int = 5000,
         *,
         foreach: bool = True,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr, damping=damping, method=method, cg_iters=cg_iters, cg_tol=cg_tol,
             line_search=line_search, max_params=max_params,
         )  # fmt: skip
-        super().__init__(params, defaults, foreach)
+        super().__init__(params, defaults, foreach, compile)
 
     shared = ("method", "cg_iters", "cg_tol", "line_search", "max_params")
 

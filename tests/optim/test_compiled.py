@@ -279,17 +279,67 @@ def test_an_operation_the_compiler_rejects_warns_once_and_runs_eagerly():
     assert_same_models(eager[0], compiled[0])
 
 
-def test_a_missing_cpp_compiler_warns_once_and_runs_eagerly(monkeypatch):
-    inductor = torch._inductor.config
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
-    monkeypatch.setattr(inductor, "force_disable_caches", True)  # no cached kernel to reuse
+def test_a_missing_cpp_compiler_warns_once_and_runs_eagerly():
+    # the config's own patch (monkeypatch deletes the config modules' attributes on undo,
+    # which broke every later compile in the process); no cached kernel to reuse
+    missing = {"cpp.cxx": ("/nonexistent/c++",), "force_disable_caches": True}
     torch._dynamo.reset()
     try:
-        (eager, compiled), caught = eager_and_compiled(
-            lambda ps, c: optim.SGD(ps, lr=0.1, compile=c)  # the smallest graph: quick to lower
-        )
+        with torch._inductor.config.patch(missing):
+            (eager, compiled), caught = eager_and_compiled(
+                lambda ps, c: optim.SGD(ps, lr=0.1, compile=c)  # the smallest graph: quick
+            )
     finally:
         torch._dynamo.reset()
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert "torch.compile could not compile its update" in str(caught[0].message)
     assert_same_models(eager[0], compiled[0])
+
+
+@pytest.mark.parametrize("cls", [optim.Newton, optim.HessianFree])
+def test_a_second_order_optimizer_warns_once_and_steps_eagerly(cls):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    x = torch.randn(8, 3, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CompileWarning)
+        opt = cls(model.parameters(), lr=0.5, compile=True)
+    assert [f"{cls.__name__}(compile=True)" in str(w.message) for w in caught] == [True]
+    assert "one system over all parameters" in str(caught[0].message)
+    before = model.weight.detach().clone()
+
+    def closure():  # HessianFree's Gauss-Newton products also need the outputs
+        out = model(x)
+        loss = (out**2).mean()
+        return loss if cls is optim.Newton else (loss, out)
+
+    opt.step(closure)
+    assert not torch.equal(before, model.weight)
+
+
+def kfac_run(compile: bool):
+    """Twelve K-FAC steps on a small MLP with a schedule, refreshing the factors every 2."""
+    torch.manual_seed(0)
+    model = MLP(6, 3, hidden=12, depth=2).double()
+    opt = optim.KFAC(model, lr=0.05, update_freq=2, seed=0, compile=compile)
+    x, y = torch.randn(32, 6, dtype=torch.float64), torch.randint(0, 3, (32,))
+    for t in range(12):
+        for group in opt.param_groups:
+            group["lr"] = 0.05 * (1 + 0.1 * t)
+        opt.zero_grad()
+        opt.backward(F.cross_entropy(model(x), y))
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.skipif(not EVERY, reason="compiles for minutes: LSDL_TEST_COMPILE=all")
+def test_kfac_compiles_its_momentum_update_and_equals_eager():
+    # K-FAC preconditions eagerly (eigendecompositions); its update, SGD with momentum on the
+    # preconditioned gradients, is what compiles
+    (eager, _), (compiled, opt) = kfac_run(False), kfac_run(True)
+    assert opt.compiled.failure is None and opt.compiled.compiles == len(opt.param_groups)
+    for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOLERANCE[torch.float64])
+    torch.manual_seed(0)
+    start = MLP(6, 3, hidden=12, depth=2).double()  # the runs' first weights: they moved
+    assert all(not torch.allclose(p, q) for p, q in zip(start.parameters(), eager.parameters()))
