@@ -19,6 +19,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_outp
 from lsdl_lab.student import (
     PLACEHOLDER,
     Solution,
+    find_hidden_tests,
     find_solutions,
     main,
     make_student_version,
@@ -301,14 +302,19 @@ def test_runs_as_a_module(lab, tmp_path):
 
 
 def solution_lines(path: Path) -> tuple[Counter, Counter]:
-    """The stripped lines inside solution blocks, and those outside them."""
+    """The stripped lines inside solution blocks, and those outside them (hidden tests, which
+    the student version also loses, counted in neither)."""
     nb = nbformat.read(path, as_version=4)
     inside: Counter = Counter()
     outside: Counter = Counter()
     blocks = find_solutions(nb)
+    hidden = find_hidden_tests(nb)
     for index, cell in enumerate(nb.cells):
         spans = [(s.start_line, s.end_line) for s in blocks if s.cell == index]
+        gone = [(s.start_line, s.end_line) for s in hidden if s.cell == index]
         for number, line in enumerate(cell.source.split("\n"), start=1):
+            if any(start <= number <= end for start, end in gone):
+                continue
             inside_block = any(start < number < end for start, end in spans)
             if line.strip() and not any(number in (start, end) for start, end in spans):
                 (inside if inside_block else outside)[line.strip()] += 1
