@@ -20,15 +20,24 @@ them, then calls one by name::
 This package imports none of the labs' checkers.
 """
 
-from .checkers import PLACEHOLDER_MESSAGE, CheckFailed, check_function, check_value
+from .checkers import (
+    PLACEHOLDER_MESSAGE,
+    CheckFailed,
+    answer_or_none,
+    check_function,
+    check_value,
+    with_hints,
+)
 from .registry import checker, exercise, registered
 
 __all__ = [
     "PLACEHOLDER_MESSAGE",
     "CheckFailed",
+    "answer_or_none",
     "check_function",
     "check_value",
     "checker",
     "exercise",
+    "with_hints",
     "registered",
 ]

@@ -26,7 +26,14 @@ from .._util import check_nonnegative
 from .compare import difference
 from .summary import summarise_call
 
-__all__ = ["PLACEHOLDER_MESSAGE", "CheckFailed", "check_function", "check_value"]
+__all__ = [
+    "PLACEHOLDER_MESSAGE",
+    "CheckFailed",
+    "answer_or_none",
+    "check_function",
+    "check_value",
+    "with_hints",
+]
 
 # The message lsdl_lab.student writes into each exercise (kept equal by a test).
 PLACEHOLDER_MESSAGE = "Exercise: write your solution here"
@@ -34,6 +41,19 @@ PLACEHOLDER_MESSAGE = "Exercise: write your solution here"
 
 class CheckFailed(AssertionError):
     """A student's result differs from the reference; the message says where and how."""
+
+
+def with_hints(failure: CheckFailed, hints: list[str]) -> CheckFailed:
+    """``failure`` with a line per hint: what a diagnosis of the student's answers found."""
+    return CheckFailed(str(failure) + "".join(f"\n  hint: {h}" for h in hints))
+
+
+def answer_or_none(fn: Callable, *args):
+    """``fn``'s answer, or None when it raises: diagnostics must never mask the failure."""
+    try:
+        return fn(*args)
+    except Exception:
+        return None
 
 
 # ---------------------------------------------------------------------------------------

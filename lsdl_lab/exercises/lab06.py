@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..check import CheckFailed, check_function, exercise
+from ..check import CheckFailed, check_function, exercise, with_hints
 from ..optim.shampoo import inverse_root as shampoo_inverse_root
 
 __all__ = ["cg_step", "inverse_root", "kron_solve"]
@@ -74,10 +74,6 @@ def _matrix(m: int, n: int, seed: int, dtype=torch.float64) -> Tensor:
     return torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
-def _hinted(failure: CheckFailed, hints: list[str]) -> CheckFailed:
-    return CheckFailed(f"{failure}" + "".join(f"\n  hint: {h}" for h in hints))
-
-
 def _matches(student, reference, args) -> bool:
     try:
         got = student(*args)
@@ -109,7 +105,7 @@ def _check(student_fn, reference, cases, name, slips, rtol, atol) -> None:
         check_function(student_fn, reference, cases, name=name, rtol=rtol, atol=atol)
     except CheckFailed as failure:
         hints = [hint for slip, case, hint in slips if _matches(student_fn, slip, case)]
-        raise _hinted(failure, hints) from None
+        raise with_hints(failure, hints) from None
 
 
 def _cg_start(A: Tensor, b: Tensor, iterations: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import optim
-from ..check import CheckFailed, check_function, exercise
+from ..check import CheckFailed, answer_or_none, check_function, exercise, with_hints
 from ..memory import LossScaler
 
 
@@ -82,18 +82,6 @@ def zero1_partition(sizes: list[int], world_size: int, rank: int) -> list[tuple[
     return out
 
 
-def _hinted(failure: CheckFailed, hints: list[str]) -> CheckFailed:
-    return CheckFailed(str(failure) + "".join(f"\n  hint: {h}" for h in hints))
-
-
-def _answer(fn, *args):
-    """``fn``'s answer, or None when it raises: diagnostics must never mask the failure."""
-    try:
-        return fn(*args)
-    except Exception:
-        return None
-
-
 @exercise("lab08.scaler_update")
 def check_scaler_update(student_fn) -> None:
     cases = [
@@ -111,16 +99,16 @@ def check_scaler_update(student_fn) -> None:
         check_function(student_fn, scaler_update, cases, name="scaler_update", rtol=0, atol=0)
     except CheckFailed as failure:
         hints = []
-        if _answer(student_fn, 65536.0, 1999, False) == (65536.0, 2000):
+        if answer_or_none(student_fn, 65536.0, 1999, False) == (65536.0, 2000):
             hints.append("when the count reaches growth_interval, grow the scale and reset it to 0")
-        if _answer(student_fn, 65536.0, 5, True) == (32768.0, 5):
+        if answer_or_none(student_fn, 65536.0, 5, True) == (32768.0, 5):
             hints.append("an overflow restarts the count of clean steps at 0")
-        if _answer(student_fn, 1.0, 0, True, 2000, 2.0, 0.5, 1.0) == (0.5, 0):
+        if answer_or_none(student_fn, 1.0, 0, True, 2000, 2.0, 0.5, 1.0) == (0.5, 0):
             hints.append("the scale never goes below min_scale")
-        big = _answer(student_fn, 2.0**127, 1, False, 2, 2.0, 0.5, 1.0)
+        big = answer_or_none(student_fn, 2.0**127, 1, False, 2, 2.0, 0.5, 1.0)
         if big is not None and big[0] == float("inf"):
             hints.append("a grown scale that overflows (inf) is not taken: keep the old one")
-        raise _hinted(failure, hints) from None
+        raise with_hints(failure, hints) from None
     print("✔ scaler_update: every case equals lsdl_lab.memory.LossScaler.update")
 
 
@@ -138,7 +126,7 @@ def check_factored_second_moment(student_fn) -> None:
     except CheckFailed as failure:
         hints = []
         row, col, grad, beta2 = cases[1]
-        got = _answer(student_fn, row.clone(), col.clone(), grad.clone(), beta2)
+        got = answer_or_none(student_fn, row.clone(), col.clone(), grad.clone(), beta2)
         if isinstance(got, tuple) and len(got) == 3 and isinstance(got[0], torch.Tensor):
             if got[0].shape != row.shape or got[1].shape != col.shape:
                 hints.append("keep R as a column (n, 1) and C as a row (1, m): keepdim=True")
@@ -147,7 +135,7 @@ def check_factored_second_moment(student_fn) -> None:
                 hints.append("R holds the row *means* of G², not sums (the same V̂, other R)")
             if got[2].shape == grad.shape and torch.allclose(got[2], got[0] @ got[1]):
                 hints.append("divide R C by the mean of R: otherwise V̂ is off by that factor")
-        raise _hinted(failure, hints) from None
+        raise with_hints(failure, hints) from None
     print("✔ factored_second_moment: R, C and V̂ equal lsdl_lab.optim.Adafactor's")
 
 
@@ -167,12 +155,12 @@ def check_zero1_partition(student_fn) -> None:
         check_function(student_fn, zero1_partition, cases, name="zero1_partition")
     except CheckFailed as failure:
         hints = []
-        seven = _answer(student_fn, [7], 2, 1)
+        seven = answer_or_none(student_fn, [7], 2, 1)
         if isinstance(seven, list) and seven and tuple(seven[0])[:1] == (3,):
             hints.append("pad the unit to a multiple of world_size first: 7 elements -> 8, 4 each")
-        if _answer(student_fn, [6, 4], 2, 1) == [(5, 10)]:
+        if answer_or_none(student_fn, [6, 4], 2, 1) == [(5, 10)]:
             hints.append("give one range per parameter, in that parameter's own indices")
-        if _answer(student_fn, [1, 1], 4, 3) == [(0, 0), (1, 1)]:
+        if answer_or_none(student_fn, [1, 1], 4, 3) == [(0, 0), (1, 1)]:
             hints.append("a parameter the rank owns nothing of is (0, 0)")
-        raise _hinted(failure, hints) from None
+        raise with_hints(failure, hints) from None
     print("✔ zero1_partition: every case equals lsdl_lab.memory.ZeroOptimizer's partition")

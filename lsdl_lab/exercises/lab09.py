@@ -16,7 +16,7 @@ import functools
 import math
 
 from .._util import check_choice
-from ..check import CheckFailed, check_function, exercise
+from ..check import CheckFailed, answer_or_none, check_function, exercise, with_hints
 from ..plan import Cluster, Model, Techniques, plan
 
 PARALLELS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
@@ -75,18 +75,6 @@ def layouts(
     return sorted({(c.dp, c.tp, c.pp) for c in plan(model, cluster, techniques)})
 
 
-def _hinted(failure: CheckFailed, hints: list[str]) -> CheckFailed:
-    return CheckFailed(str(failure) + "".join(f"\n  hint: {h}" for h in hints))
-
-
-def _answer(fn, *args):
-    """``fn``'s answer, or None when it raises: diagnostics must never mask the failure."""
-    try:
-        return fn(*args)
-    except Exception:
-        return None
-
-
 def _close(got, expected) -> bool:
     try:
         return all(math.isclose(g, e, rel_tol=1e-9) for g, e in zip(got, expected, strict=True))
@@ -107,17 +95,17 @@ def check_checkpoint_plan(student_fn) -> None:
         check_function(student_fn, checkpoint_plan, cases, name="checkpoint_plan", rtol=1e-9)
     except CheckFailed as failure:
         hints = []
-        got = _answer(student_fn, 60.0, 11_100.0, 0.0)
+        got = answer_or_none(student_fn, 60.0, 11_100.0, 0.0)
         if isinstance(got, tuple) and len(got) == 2:
             if math.isclose(got[0], math.sqrt(60.0 * 11_100.0), rel_tol=1e-6):
                 hints.append("the optimum is sqrt(2 C M): the factor 2 comes from tau/2")
             tau = math.sqrt(2 * 60.0 * 11_100.0)
             if math.isclose(got[1], 60.0 / tau + tau / 11_100.0, rel_tol=1e-6):
                 hints.append("a failure loses on average half an interval, tau / 2, not tau")
-        with_r = _answer(student_fn, 60.0, 11_100.0, 600.0)
+        with_r = answer_or_none(student_fn, 60.0, 11_100.0, 600.0)
         if isinstance(got, tuple) and isinstance(with_r, tuple) and got == with_r:
             hints.append("each failure also costs the restart time R: add R / M to the waste")
-        raise _hinted(failure, hints) from None
+        raise with_hints(failure, hints) from None
     print("✔ checkpoint_plan: every case equals Young's interval and its waste")
 
 
@@ -137,18 +125,18 @@ def check_data_parallel_bytes(student_fn) -> None:
         check_function(student_fn, data_parallel_bytes, cases, name="data_parallel_bytes")
     except CheckFailed as failure:
         hints = []
-        ddp = _answer(student_fn, 1000, 4, "ddp") or 0
+        ddp = answer_or_none(student_fn, 1000, 4, "ddp") or 0
         if _close([ddp], [2 * 3 / 4 * 4000]) or _close([ddp], [8000]):
             hints.append("count what is handed over (the gradient once), not the ring's traffic")
-        if _close([_answer(student_fn, 1000, 2, "zero2") or 0], [4000]):
+        if _close([answer_or_none(student_fn, 1000, 2, "zero2") or 0], [4000]):
             hints.append("ZeRO also all-gathers the updated weights: each rank hands its shard")
-        if _close([_answer(student_fn, 1000, 2, "zero3") or 0], [6000]):
+        if _close([answer_or_none(student_fn, 1000, 2, "zero3") or 0], [6000]):
             hints.append("ZeRO-3 gathers the weights twice (forward and backward)")
-        if _close([_answer(student_fn, 1000, 2, "zero2") or 0], [8000]):
+        if _close([answer_or_none(student_fn, 1000, 2, "zero2") or 0], [8000]):
             hints.append("an all-gather's input is one shard, numel / world_size elements")
-        if _close([_answer(student_fn, 1000, 2, "ddp", 2) or 0], [4000]):
+        if _close([answer_or_none(student_fn, 1000, 2, "ddp", 2) or 0], [4000]):
             hints.append("multiply by element_bytes: 16-bit gradients hand over half the bytes")
-        raise _hinted(failure, hints) from None
+        raise with_hints(failure, hints) from None
     print("✔ data_parallel_bytes: every case equals the entry point's count")
 
 
@@ -167,10 +155,10 @@ def check_layouts(student_fn) -> None:
         check_function(_sorted_tuples(student_fn), layouts, cases, name="layouts")
     except CheckFailed as failure:
         hints = []
-        wide = _answer(_sorted_tuples(student_fn), 16, 4, 2, 16)
+        wide = answer_or_none(_sorted_tuples(student_fn), 16, 4, 2, 16)
         if isinstance(wide, list) and any(tp > 4 for _, tp, _ in wide):
             hints.append("tensor parallelism stays inside a node: tp <= devices_per_node")
-        got = _answer(_sorted_tuples(student_fn), 16, 4, 2, 6)
+        got = answer_or_none(_sorted_tuples(student_fn), 16, 4, 2, 6)
         if isinstance(got, list):
             if any(6 % tp for _, tp, _ in got):
                 hints.append("each tensor-parallel rank holds whole heads: heads % tp == 0")
@@ -178,7 +166,7 @@ def check_layouts(student_fn) -> None:
                 hints.append("a pipeline stage holds at least one layer: pp <= layers")
             if any(dp * tp * pp != 16 for dp, tp, pp in got):
                 hints.append("every device is used: dp * tp * pp == devices")
-        raise _hinted(failure, hints) from None
+        raise with_hints(failure, hints) from None
     print("✔ layouts: every case gives the layouts lsdl_lab.plan.plan searches")
 
 

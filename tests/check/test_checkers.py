@@ -217,3 +217,19 @@ def test_placeholder_message_matches_the_student_tool():
     from lsdl_lab.student import PLACEHOLDER
 
     assert PLACEHOLDER == f'raise NotImplementedError("{check.PLACEHOLDER_MESSAGE}")'
+
+
+def test_with_hints_appends_one_line_per_hint_and_keeps_the_failure():
+    from lsdl_lab.check import with_hints
+
+    failure = with_hints(CheckFailed("case 1: got 3, expected 4"), ["off by one", "a sign"])
+    assert isinstance(failure, CheckFailed)
+    assert str(failure) == "case 1: got 3, expected 4\n  hint: off by one\n  hint: a sign"
+    assert str(with_hints(CheckFailed("x"), [])) == "x"
+
+
+def test_answer_or_none_returns_the_answer_or_none_when_it_raises():
+    from lsdl_lab.check import answer_or_none
+
+    assert answer_or_none(lambda a, b: a + b, 2, 3) == 5
+    assert answer_or_none(lambda: 1 / 0) is None
