@@ -89,11 +89,7 @@ class Solution(NamedTuple):
 def find_solutions(nb: nbformat.NotebookNode | str | Path) -> list[Solution]:
     """Every solution block of a notebook (or of the notebook file at that path), in
     order; raises ValueError naming the notebook, cell and line of a malformed marker."""
-    if isinstance(nb, (str, Path)):
-        where = str(nb)
-        nb = _read(nb)
-    else:
-        where = "notebook"
+    nb, where = _notebook(nb)
     return [
         Solution(index, start, end)
         for index, cell in enumerate(nb.cells)
@@ -105,11 +101,7 @@ def find_hidden_tests(nb: nbformat.NotebookNode | str | Path) -> list[Solution]:
     """Every hidden-test block of a notebook (or of the notebook file at that path), as
     :class:`Solution` tuples, in order; raises ValueError naming the notebook, cell and
     line of a malformed marker."""
-    if isinstance(nb, (str, Path)):
-        where = str(nb)
-        nb = _read(nb)
-    else:
-        where = "notebook"
+    nb, where = _notebook(nb)
     return [
         Solution(index, start, end)
         for index, cell in enumerate(nb.cells)
@@ -161,15 +153,11 @@ def nbgrader_metadata(
     exercises), else it is worth 1. Raises ValueError, naming the cell, for a code exercise
     with no checker cell right after it, one that defines no function or class to name it
     by, or two exercises of the same name."""
-    if isinstance(nb, (str, Path)):
-        where = str(nb)
+    if lab is None and isinstance(nb, (str, Path)):
         stem = Path(nb).stem
-        nb = _read(nb)
-        if lab is None:
-            found = re.match(r"lab\d+[a-z]?(?=_|$)", stem)
-            lab = found.group(0) if found else stem
-    else:
-        where = "notebook"
+        found = re.match(r"lab\d+[a-z]?(?=_|$)", stem)
+        lab = found.group(0) if found else stem
+    nb, where = _notebook(nb)
     if lab is None:
         raise ValueError("lab is required when nb is a notebook rather than a path")
     solution_cells = {s.cell for s in find_solutions(nb)}
@@ -244,6 +232,13 @@ def write_nbgrader_metadata(path: str | Path, *, check: bool = False) -> bool:
 
 def _read(path: str | Path) -> nbformat.NotebookNode:
     return nbformat.read(path, as_version=nbformat.NO_CONVERT)
+
+
+def _notebook(nb: nbformat.NotebookNode | str | Path) -> tuple[nbformat.NotebookNode, str]:
+    """The notebook (read when ``nb`` is a path) and how an error message names it."""
+    if isinstance(nb, (str, Path)):
+        return _read(nb), str(nb)
+    return nb, "notebook"
 
 
 def _blocks(
