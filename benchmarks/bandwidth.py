@@ -28,7 +28,6 @@ for the device (``torch.cuda.synchronize``) and the fused kernels are torch's CU
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,13 +36,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
-    sys.path.insert(0, str(ROOT))
-
-import lsdl_lab.optim  # noqa: E402
-from benchmarks import optimizers  # noqa: E402
-from benchmarks.timing import (  # noqa: E402
+import lsdl_lab.optim
+from benchmarks import ROOT, optimizers
+from benchmarks.timing import (
     add_device_options,
     compare,
     device_setup,

@@ -36,22 +36,17 @@ from __future__ import annotations
 
 import ast
 import math
-import sys
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
-    sys.path.insert(0, str(ROOT))
+import nbformat
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
-import nbformat  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-
-from lsdl_lab import models  # noqa: E402
-from lsdl_lab.scale import PROFILES  # noqa: E402
+from benchmarks import ROOT
+from lsdl_lab import models
+from lsdl_lab.scale import PROFILES
 
 P = PROFILES["gpu"]
 LABS = ROOT / "labs"

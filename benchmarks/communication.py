@@ -1,9 +1,9 @@
 """All-reduce and gradient compression: lsdl_lab's against torch's, side by side.
 
-Run from the repository root (either form)::
+Run from the repository root::
 
     python -m benchmarks.communication              # 1e5, 1e6, 1e7 floats; 2^20 entries
-    python benchmarks/communication.py --quick      # small sizes, a few seconds, no file
+    python -m benchmarks.communication --quick      # small sizes, a few seconds, no file
 
 **All-reduce.** In one world of 2 processes (gloo, :func:`lsdl_lab.dist.spawn`), the
 hand-built :func:`~lsdl_lab.dist.ring_all_reduce` and :func:`~lsdl_lab.dist.tree_all_reduce`
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,11 +36,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.timing import (  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.timing import (
     add_device_options,
     compare,
     device_setup,
@@ -51,8 +47,8 @@ from benchmarks.timing import (  # noqa: E402
     results_path,
     write_report,
 )
-from lsdl_lab import compress  # noqa: E402
-from lsdl_lab.dist import ring_all_reduce, spawn, tree_all_reduce  # noqa: E402
+from lsdl_lab import compress
+from lsdl_lab.dist import ring_all_reduce, spawn, tree_all_reduce
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "communication.md"
 GOAL = 0.8  # issue 12: ring throughput / built-in's, from GOAL_FROM floats on

@@ -38,13 +38,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import optimizers  # noqa: E402
-from benchmarks.bandwidth import minimum_bytes_per_param  # noqa: E402
-from benchmarks.timing import (  # noqa: E402
+from benchmarks import ROOT, optimizers
+from benchmarks.bandwidth import minimum_bytes_per_param
+from benchmarks.timing import (
     add_device_options,
     compare,
     device_setup,
@@ -54,8 +50,8 @@ from benchmarks.timing import (  # noqa: E402
     results_path,
     write_report,
 )
-from lsdl_lab import optim  # noqa: E402
-from lsdl_lab.models import GPT, MLP, ResNet  # noqa: E402
+from lsdl_lab import optim
+from lsdl_lab.models import GPT, MLP, ResNet
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compiled.md"
 FLUSH_MB = 256  # read before every timed step: beyond this machine's 105 MB L3 cache

@@ -47,11 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.timing import (  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.timing import (
     add_device_options,
     compare,
     device_setup,
@@ -61,8 +58,8 @@ from benchmarks.timing import (  # noqa: E402
     results_path,
     write_report,
 )
-from lsdl_lab import curvature, models  # noqa: E402
-from lsdl_lab.data import load_digits  # noqa: E402
+from lsdl_lab import curvature, models
+from lsdl_lab.data import load_digits
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "hessian.md"
 GOAL = 2.0  # the target: lsdl_lab at least twice as fast as PyHessian on the ResNet

@@ -1,10 +1,10 @@
 """Step time and state bytes of the memory-efficient optimizers (Adafactor, SM3) beside
 Adam, torch.optim's Adafactor and pytorch-optimizer's AdaFactor and SM3.
 
-Run from the repository root (either form)::
+Run from the repository root::
 
     python -m benchmarks.memory_optimizers          # 1M and 10M parameters, 2 minutes
-    python benchmarks/memory_optimizers.py --quick  # a tiny model, seconds, no file
+    python -m benchmarks.memory_optimizers --quick  # a tiny model, seconds, no file
 
 What is timed: ``optimizer.step()`` alone, on the models of :mod:`benchmarks.optimizers`
 (fixed random gradients, restored before every step, untimed; the state warmed by
@@ -35,18 +35,14 @@ one tensor at a time too).
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.optimizers import SIZES, describe, pytorch_optimizer  # noqa: E402
-from benchmarks.timing import (  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.optimizers import SIZES, describe, pytorch_optimizer
+from benchmarks.timing import (
     add_device_options,
     compare,
     device_setup,
@@ -57,7 +53,7 @@ from benchmarks.timing import (  # noqa: E402
     state_bytes_per_param,
     write_report,
 )
-from lsdl_lab import optim  # noqa: E402
+from lsdl_lab import optim
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "memory_optimizers.md"
 BASELINE = "lsdl_lab Adam"

@@ -1,10 +1,10 @@
 """Step time of ``lsdl_lab.optim`` against ``torch.optim(..., foreach=True)``, side by side.
 
-Run from the repository root (either form)::
+Run from the repository root::
 
     python -m benchmarks.optimizers                 # 1M, 10M and 50M parameters, minutes
     python -m benchmarks.optimizers --budget 6      # 4x the time per row: steadier ratios
-    python benchmarks/optimizers.py --quick         # a tiny model, a few seconds
+    python -m benchmarks.optimizers --quick         # a tiny model, a few seconds
 
 What is timed: ``optimizer.step()`` alone. Every parameter gets a fixed random gradient
 once (no forward or backward pass is run or timed); before every timed step the
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,13 +39,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
-    sys.path.insert(0, str(ROOT))
-
-import lsdl_lab  # noqa: E402
-import lsdl_lab.optim  # noqa: E402
-from benchmarks.timing import (  # noqa: E402
+import lsdl_lab
+import lsdl_lab.optim
+from benchmarks import ROOT
+from benchmarks.timing import (
     add_device_options,
     compare,
     device_setup,
@@ -58,7 +54,7 @@ from benchmarks.timing import (  # noqa: E402
     state_bytes_per_param,
     write_report,
 )
-from lsdl_lab.models import GPT, ResNet  # noqa: E402
+from lsdl_lab.models import GPT, ResNet
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "optimizers.md"
 MIN_PAIRS, MAX_PAIRS = 7, 400  # timed pairs per row, unless --repeats fixes them

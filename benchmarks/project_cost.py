@@ -34,11 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.timing import load_average, log, machine_lines, write_report  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.timing import load_average, log, machine_lines, write_report
 
 PARTS = ("labs-smoke", "labs-cpu", "tests", "book")
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "project_cost.md"

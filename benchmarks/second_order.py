@@ -1,9 +1,9 @@
 """Step time and state bytes of K-FAC and Shampoo beside Adam and pytorch-optimizer's Shampoo.
 
-Run from the repository root (either form)::
+Run from the repository root::
 
     python -m benchmarks.second_order               # the MLP and ResNet-14 of the cpu profile
-    python benchmarks/second_order.py --quick       # tiny models, a few seconds, no file
+    python -m benchmarks.second_order --quick       # tiny models, a few seconds, no file
 
 Each optimizer trains its own copy of the same model (same initial weights) on the same
 fixed batch (digits-sized: 64 images of 1 x 8 x 8, 10 classes). One *training step* is
@@ -31,7 +31,6 @@ import argparse
 import copy
 import math
 import statistics
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,11 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.timing import (  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.timing import (
     add_device_options,
     compare,
     device_setup,
@@ -54,10 +50,10 @@ from benchmarks.timing import (  # noqa: E402
     results_path,
     write_report,
 )
-from lsdl_lab.models import MLP, ResNet  # noqa: E402
-from lsdl_lab.optim import KFAC, Adam, Shampoo  # noqa: E402
-from lsdl_lab.races import state_bytes  # noqa: E402
-from lsdl_lab.scale import PROFILES  # noqa: E402
+from lsdl_lab.models import MLP, ResNet
+from lsdl_lab.optim import KFAC, Adam, Shampoo
+from lsdl_lab.races import state_bytes
+from lsdl_lab.scale import PROFILES
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "second_order.md"
 UPDATE_FREQ = 10

@@ -1,9 +1,9 @@
 """ZeRO's stages against DDP at world 2: training-step time and bytes held per rank.
 
-Run from the repository root (either form)::
+Run from the repository root::
 
     python -m benchmarks.zero                       # the cpu profile's GPT, world 2
-    python benchmarks/zero.py --quick               # a tiny GPT, a few seconds, no file
+    python -m benchmarks.zero --quick               # a tiny GPT, a few seconds, no file
 
 In one world of 2 processes (gloo, :func:`lsdl_lab.dist.spawn`), eight data-parallel
 set-ups each train their own copy of the same float32 GPT (untied output layer:
@@ -40,19 +40,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.communication import world_compare  # noqa: E402
-from benchmarks.timing import (  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.communication import world_compare
+from benchmarks.timing import (
     add_device_options,
     device_setup,
     load_average,
@@ -61,11 +57,11 @@ from benchmarks.timing import (  # noqa: E402
     results_path,
     write_report,
 )
-from lsdl_lab.dist import spawn  # noqa: E402
-from lsdl_lab.memory import ZeroOptimizer  # noqa: E402
-from lsdl_lab.memory.experiments import lm_loss, untied_gpt  # noqa: E402
-from lsdl_lab.memory.measure import CATEGORIES, measure  # noqa: E402
-from lsdl_lab.scale import PROFILES  # noqa: E402
+from lsdl_lab.dist import spawn
+from lsdl_lab.memory import ZeroOptimizer
+from lsdl_lab.memory.experiments import lm_loss, untied_gpt
+from lsdl_lab.memory.measure import CATEGORIES, measure
+from lsdl_lab.scale import PROFILES
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "zero.md"
 WORLD = 2

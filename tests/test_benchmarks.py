@@ -170,7 +170,7 @@ def test_every_shared_optimizer_is_benchmarked(monkeypatch):
 
 
 def test_quick_run_writes_a_table_with_every_optimizer(tmp_path, monkeypatch, capsys):
-    # the command ``python benchmarks/optimizers.py --quick``, run in this process
+    # the command ``python -m benchmarks.optimizers --quick``, run in this process
     out = tmp_path / "results" / "optimizers.md"
     script = ROOT / "benchmarks" / "optimizers.py"
     monkeypatch.setattr(sys, "argv", [str(script), "--quick", "--out", str(out)])

@@ -22,7 +22,7 @@ def state_per_param(text: str) -> dict[str, float]:
 
 
 def test_quick_run_writes_a_table_with_every_row(tmp_path, monkeypatch, capsys):
-    # the command ``python benchmarks/memory_optimizers.py --quick``, run in this process
+    # the command ``python -m benchmarks.memory_optimizers --quick``, run in this process
     out = tmp_path / "results" / "memory_optimizers.md"
     script = ROOT / "benchmarks" / "memory_optimizers.py"
     monkeypatch.setattr(sys, "argv", [str(script), "--quick", "--out", str(out)])
