@@ -1,5 +1,10 @@
 """Sphinx hooks of the book's HTML, loaded through _config.yml's ``local_extensions``."""
 
+from pathlib import PurePosixPath
+from urllib.parse import urlsplit
+
+from docutils import nodes
+
 
 def drop_launch_buttons_off_notebooks(app, pagename, templatename, context, doctree):
     """Keep the launch (Colab) buttons on the labs only.
@@ -16,7 +21,67 @@ def drop_launch_buttons_off_notebooks(app, pagename, templatename, context, doct
         context["header_buttons"] = [b for b in buttons if b.get("label") != "launch-buttons"]
 
 
+def repository_blob_prefix(theme_options):
+    """``<repository url>/blob/<branch>/``: what a link to a file of the repository starts
+    with, from _config.yml's ``repository`` (Jupyter Book hands it to the theme's options
+    as ``repository_url`` and ``repository_branch``); None without a repository."""
+    url = (theme_options or {}).get("repository_url")
+    if not url:
+        return None
+    branch = theme_options.get("repository_branch") or "main"
+    return f"{url.rstrip('/')}/blob/{branch}/"
+
+
+def book_page_of(url, prefix, pages, path_to_docs=""):
+    """(page, fragment) when `url` is ``prefix + <source file of a page of the book>`` (a
+    chapter's .md, a lab's .ipynb), else None: other files (benchmark results, the library's
+    sources) are read on GitHub. `pages` maps a page's source path, relative to the book's
+    root, to its docname; `path_to_docs` is the book's root in the repository."""
+    if not prefix or not url.startswith(prefix):
+        return None
+    parts = urlsplit(url[len(prefix) :])
+    if parts.query:  # ?plain=1 and the like ask for GitHub's own view of the file
+        return None
+    path = PurePosixPath(parts.path)
+    if path_to_docs.strip("/"):
+        try:
+            path = path.relative_to(path_to_docs.strip("/"))
+        except ValueError:
+            return None
+    page = pages.get(str(path))
+    return None if page is None else (page, parts.fragment)
+
+
+def link_book_pages_internally(app, doctree, docname):
+    """Turn a link to a page's source on GitHub into a link to the rendered page.
+
+    The labs link to chapters by their GitHub URL (a relative link opens nothing in Colab,
+    which shows the notebook alone); on the site the reader should stay on the site.
+    """
+    if app.builder.format != "html":
+        return
+    options = app.config.html_theme_options or {}
+    prefix = repository_blob_prefix(options)
+    if prefix is None:
+        return
+    env = app.env
+    pages = {PurePosixPath(env.doc2path(d, base=False)).as_posix(): d for d in env.all_docs}
+    for node in doctree.findall(nodes.reference):
+        found = book_page_of(node.get("refuri", ""), prefix, pages, options.get("path_to_docs", ""))
+        if found is None:
+            continue
+        page, fragment = found
+        # a page's link to itself: relative_uri gives "", which would lose the page
+        uri = (
+            app.builder.get_relative_uri(docname, page)
+            or PurePosixPath(app.builder.get_target_uri(page)).name
+        )
+        node["refuri"] = f"{uri}#{fragment}" if fragment else uri
+        node["internal"] = True  # the HTML writer's class "reference internal"
+
+
 def setup(app):
     # after sphinx-book-theme's own html-page-context handler (priority 500) adds the buttons
     app.connect("html-page-context", drop_launch_buttons_off_notebooks, priority=900)
+    app.connect("doctree-resolved", link_book_pages_internally)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
