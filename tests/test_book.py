@@ -4,13 +4,18 @@
 broken cross-reference, a citation missing from references.bib, a duplicate label.
 """
 
+import functools
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import unquote, urljoin, urlsplit
 
+import nbformat
 import pytest
 import yaml
 
@@ -95,24 +100,183 @@ def test_book_builds_without_warnings(smoke_book):
     assert "colab.research.google.com" in lab  # the launch button
 
 
+def small_book(folder, pages, execute=True):
+    """Build a book of `pages` ({path: text}, the first the root) in `folder` with the
+    project's own _config.yml (execution off unless `execute`), local extension and static
+    files; returns the finished `jupyter-book build -W` process."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    if not execute:  # a markdown-only notebook would still start a kernel
+        config["execute"]["execute_notebooks"] = "off"
+    (folder / "_config.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+    for sub in ("_ext", "_static"):  # the config's local extension and favicon
+        shutil.copytree(ROOT / sub, folder / sub)
+    root, *rest = (str(Path(f).with_suffix("")) for f in pages)
+    chapters = "".join(f"  - file: {f}\n" for f in rest)
+    toc = f"format: jb-book\nroot: {root}\n" + (f"chapters:\n{chapters}" if rest else "")
+    (folder / "_toc.yml").write_text(toc)
+    (folder / "references.bib").write_text("")
+    for name, text in pages.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return subprocess.run(
+        [str(JB), "build", str(folder), "-W"], capture_output=True, text=True, timeout=600
+    )
+
+
 @pytest.mark.notebook
 def test_a_cell_that_raises_fails_the_build(tmp_path):
     """The project's own _config.yml, on a one-page book whose cell raises."""
-    (tmp_path / "_config.yml").write_text((ROOT / "_config.yml").read_text())
-    for folder in ("_ext", "_static"):  # the config's local extension and favicon
-        shutil.copytree(ROOT / folder, tmp_path / folder)
-    (tmp_path / "_toc.yml").write_text("format: jb-book\nroot: page\n")
-    (tmp_path / "references.bib").write_text("")
-    (tmp_path / "page.md").write_text(
+    page = (
         "---\njupytext:\n  text_representation:\n    extension: .md\n    format_name: myst\n"
         "kernelspec:\n  display_name: Python 3\n  language: python\n  name: python3\n---\n"
         "# A page\n\n```{code-cell} ipython3\nraise ValueError('this cell fails')\n```\n"
     )
-    proc = subprocess.run(
-        [str(JB), "build", str(tmp_path), "-W"], capture_output=True, text=True, timeout=600
-    )
+    proc = small_book(tmp_path, {"page.md": page})
     assert proc.returncode != 0
     assert "this cell fails" in proc.stdout + proc.stderr
+
+
+def repository_blob():
+    """``<repository url>/blob/<branch>/``, from _config.yml: a file of the repository on
+    GitHub, where the labs link the book's pages and the benchmarks' results."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]
+    return f"{config['url'].rstrip('/')}/blob/{config.get('branch', 'main')}/"
+
+
+def book_extension():
+    spec = importlib.util.spec_from_file_location("lsdl_book", ROOT / "_ext" / "lsdl_book.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_hook_finds_the_page_a_repository_link_names():
+    ext = book_extension()
+    options = {"repository_url": "https://github.com/o/r/", "repository_branch": "dev"}
+    blob = ext.repository_blob_prefix(options)
+    assert blob == "https://github.com/o/r/blob/dev/"
+    assert ext.repository_blob_prefix({}) is None
+    pages = {"book/ch01.md": "book/ch01", "labs/lab01.ipynb": "labs/lab01", "intro.md": "intro"}
+    assert ext.book_page_of(f"{blob}book/ch01.md", blob, pages) == ("book/ch01", "")
+    assert ext.book_page_of(f"{blob}labs/lab01.ipynb#the-run", blob, pages) == (
+        "labs/lab01",
+        "the-run",
+    )
+    for other in (
+        f"{blob}benchmarks/results/colab_cost.md",  # not a page: read on GitHub
+        f"{blob}book/ch01.ipynb",  # a page's name with another source's suffix
+        f"{blob}book/ch01.md?plain=1",  # GitHub's own view asked for
+        "https://github.com/o/r/blob/main/book/ch01.md",  # another branch
+        "https://github.com/o/other/blob/dev/book/ch01.md",
+        "https://arxiv.org/abs/1706.02677",
+    ):
+        assert ext.book_page_of(other, blob, pages) is None, other
+    # a book kept in a folder of its repository (_config.yml's path_to_book)
+    assert ext.book_page_of(f"{blob}docs/intro.md", blob, pages, "docs") == ("intro", "")
+    assert ext.book_page_of(f"{blob}intro.md", blob, pages, "docs/") is None
+
+
+class _Links(HTMLParser):
+    """Every a[href] of a page, each with whether it is in the page's article."""
+
+    def __init__(self):
+        super().__init__()
+        self.links, self._depth = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "article":
+            self._depth += 1
+        elif tag == "a" and attrs.get("href") is not None:
+            self.links.append((attrs["href"], self._depth > 0))
+
+    def handle_endtag(self, tag):
+        self._depth -= tag == "article"
+
+
+def page_links(html, page):
+    """(absolute href, in the article) of every link of built page `page`, resolved as a
+    browser would against the site at http://site/."""
+    parser = _Links()
+    parser.feed((html / f"{page}.html").read_text())
+    return [(urljoin(f"http://site/{page}.html", h), a) for h, a in parser.links]
+
+
+@functools.cache
+def html_ids(path):
+    return set(re.findall(r'\sid="([^"]+)"', Path(path).read_text()))
+
+
+def link_problem(href, base, html, sources):
+    """Why link `href` of the site at `base` (built in `html`) opens nothing, or opens a page
+    of the book on GitHub instead of the site (None when it is fine). `sources`: the book's
+    pages' source files, relative to the repository."""
+    blob = repository_blob()
+    parts = urlsplit(href)
+    url, fragment = unquote(href.split("?")[0].split("#")[0]), unquote(parts.fragment)
+    if url.startswith(base):
+        path = url[len(base) :]
+        target = html / (path + "index.html" if path == "" or path.endswith("/") else path)
+        if not target.is_file():
+            return f"no file {target.relative_to(html)} in the site"
+        if fragment and target.suffix == ".html" and fragment not in html_ids(target):
+            return f"no anchor #{fragment} in {target.relative_to(html)}"
+    elif url.startswith(blob):
+        path = url[len(blob) :]
+        if not (ROOT / path).is_file():
+            return f"no file {path} in the repository"
+        if path in sources and not parts.query:  # ?plain=1 asks for GitHub's view
+            return "a page of the book linked on GitHub: the site has it"
+    return None
+
+
+@pytest.mark.notebook
+def test_links_to_pages_on_github_become_links_to_the_site(tmp_path):
+    """The hook on a two-page book: a lab links the chapter by its GitHub URL (as it must for
+    Colab), the chapter the lab; both become internal links, anchors kept; links to files
+    that are no pages stay on GitHub. (The pages borrow real names, so that the GitHub links
+    name files of the repository.)"""
+    blob = repository_blob()
+    chapter, lab = "book/ch01_introduction", "labs/lab01_getting_started"
+    chapter_text = (
+        "# A chapter\n\n## The section\n\n"
+        f"The [lab]({blob}{lab}.ipynb), [this section]({blob}{chapter}.md#the-section), "
+        f"[results]({blob}benchmarks/results/colab_cost.md).\n"
+    )
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell(
+            f"# A lab\n\n[Chapter]({blob}{chapter}.md), [its section]"
+            f"({blob}{chapter}.md#the-section), [a source]({blob}lsdl_lab/__init__.py), "
+            f"[as text]({blob}{chapter}.md?plain=1)"
+        )
+    ]
+    pages = {f"{chapter}.md": chapter_text, f"{lab}.ipynb": nbformat.writes(notebook)}
+    proc = small_book(tmp_path, pages, execute=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    html, site = tmp_path / "_build" / "html", "http://site/"
+    in_article = {p: [h for h, article in page_links(html, p) if article] for p in (chapter, lab)}
+    assert [h for h in in_article[lab] if "/book/" in h or "/lsdl_lab/" in h] == [
+        f"{site}{chapter}.html",
+        f"{site}{chapter}.html#the-section",
+        f"{blob}lsdl_lab/__init__.py",
+        f"{blob}{chapter}.md?plain=1",
+    ]
+    for href in (f"{site}{lab}.html", f"{site}{chapter}.html#the-section"):
+        assert href in in_article[chapter]
+    assert f"{blob}benchmarks/results/colab_cost.md" in in_article[chapter]
+    # the whole book's check of links (in the browser test) passes every link of these pages
+    for page in (chapter, lab):
+        for href, _ in page_links(html, page):
+            assert link_problem(href, site, html, set(pages)) is None, (page, href)
+    for broken in (
+        f"{blob}{chapter}.md",  # a page on GitHub
+        f"{blob}no/such/file.md",
+        f"{site}{chapter}.html#nowhere",
+        f"{site}book/missing.html",
+    ):
+        assert link_problem(broken, site, html, set(pages)), broken
 
 
 ARTIFACTS = ROOT / "_build" / "test-artifacts"
@@ -122,6 +286,12 @@ MIN_MATH_PAGES = 5  # so that the math checks cannot pass by finding no math
 COLAB = re.compile(r"^https://colab\.research\.google\.com/github/([^/]+/[^/]+)/blob/main/(.+)$")
 
 # JavaScript: the output images of every cell that calls a widget explorer (`*_explorer(`)
+# JavaScript: every link of the page, as the browser resolves it, and whether it is in the
+# page's article (the text; the navigation links every page)
+LINKS_JS = (
+    "return [...document.querySelectorAll('a[href]')].map(a => [a.href, !!a.closest('article')]);"
+)
+
 EXPLORER_FIGURES_JS = """
 return [...document.querySelectorAll('.cell')]
     .filter(c => /_explorer\\(/.test((c.querySelector('.cell_input') || {}).textContent || ''))
@@ -133,8 +303,11 @@ return [...document.querySelectorAll('.cell')]
 def test_site_in_headless_chromium(smoke_book, tmp_path):
     """The smoke build in a real browser, offline: every page loads with no console error,
     its math renders with the site's own MathJax, its images load, its Colab links open
-    notebooks of the repository; search finds a term; exercise solutions are hidden until
-    clicked; widget explorers show a static figure. Screenshots go to _build/test-artifacts."""
+    notebooks of the repository, its links open a page (and anchor) of the site or a file of
+    the repository, never a page of the book on GitHub (the labs link chapters by their GitHub
+    URL for Colab: the book's hook makes them internal); search finds a term; exercise
+    solutions are hidden until clicked; widget explorers show a static figure. Screenshots go
+    to _build/test-artifacts."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
     from site_browser import browser_paths, chromium, console_errors, page_state, serve
@@ -148,6 +321,10 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
     repo = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     problems, math_pages, explorers = [], 0, 0
+    sources = {
+        f + ext for f in toc_files() for ext in (".md", ".ipynb") if (ROOT / (f + ext)).exists()
+    }
+    labs_to_chapters, labs_from_chapters = set(), set()  # links in the text, between the two
     with serve(html) as base, chromium(tmp_path / "profile") as browser:
         for page in toc_files():
             state = page_state(browser, f"{base}{page}.html")
@@ -169,6 +346,15 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
                 h.endswith(f"/{page}.ipynb") for h in state["colab"]
             ):
                 problems.append(f"{page}: no Colab link to itself")
+            for href, in_article in browser.execute_script(LINKS_JS):
+                if (problem := link_problem(href, base, html, sources)) is not None:
+                    problems.append(f"{page}: link {href}: {problem}")
+                elif in_article and href.startswith(base):
+                    target = href[len(base) :]
+                    if page.startswith("labs/") and target.startswith("book/"):
+                        labs_to_chapters.add(page)
+                    elif not page.startswith("labs/") and target.startswith("labs/"):
+                        labs_from_chapters.add(target.split(".")[0])
             for widths in browser.execute_script(EXPLORER_FIGURES_JS):
                 explorers += 1
                 if not widths or not all(w > 0 for w in widths):
@@ -195,4 +381,9 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
     print(f"screenshots of {', '.join(SCREENSHOTS)} in {ARTIFACTS}")
     assert not problems, "\n".join(problems)
     assert math_pages >= MIN_MATH_PAGES and explorers >= 1  # the checks above did run
+    labs = [f for f in toc_files() if f.startswith("labs/")]
+    # each lab but Lab 1 opens on its chapter; the chapters, the introduction and the parts'
+    # pages link most labs (the links' own checks above ran on these)
+    assert len(labs_to_chapters) >= len(labs) - 1, sorted(labs_to_chapters)
+    assert len(labs_from_chapters) >= len(labs) // 2, sorted(labs_from_chapters)
     assert all((ARTIFACTS / f"{p.replace('/', '_')}.png").stat().st_size > 0 for p in SCREENSHOTS)
