@@ -18,6 +18,12 @@ lists, dicts), the same on every rank unless it says otherwise::
   communication with the backward pass at two bucket sizes;
 * :func:`model_parallel_run`: a tensor-parallel transformer block against the dense one,
   and a pipeline's measured bubble against (p - 1)/(m + p - 1).
+
+In a dry run (:mod:`lsdl_lab.scale`: ``LSDL_MAX_STEPS``, ``LSDL_MAX_EXAMPLES``, which
+every rank reads from the caller's environment, see :func:`~lsdl_lab.dist.spawn`) each
+loop of training steps and of timed repeats runs at most the capped number of times and
+each batch and evaluation set holds at most the capped number of examples; nothing
+changes outside one.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from ..compress import (
 from ..data import load_digits
 from ..memory.measure import measure
 from ..parallel import TensorParallelBlock, bubble_fraction, pipeline_step
+from ..scale import capped_examples, capped_steps
 from ..train import accuracy
 from .collectives import ring_all_reduce, tree_all_reduce
 from .cost import (
@@ -84,6 +91,7 @@ def collective_times(rank, world_size, nbytes: Sequence[int], repeats: int = 5) 
     over ``repeats``, see :func:`~lsdl_lab.dist.measure_collective`) for the ring, the
     tree and ``dist.all_reduce``, and the (alpha, beta) fitted to the ring's and the
     tree's times with their own models."""
+    repeats = capped_steps(repeats)  # the identity, except in a dry run (lsdl_lab.scale)
     times = {
         name: measure_collective(fn, nbytes, repeats, statistic="min")
         for name, fn in (
@@ -133,6 +141,7 @@ def staleness_run(rank, world_size, staleness: Sequence[int], lr: float, steps: 
     least-squares problem at each staleness bound s, from zero weights: on the server,
     ``{s: {"loss", "max_staleness", "mean_staleness"}}``; ``None`` on the workers.
     Synchronous SGD (:func:`~lsdl_lab.dist.synchronous_sgd`) is ``"sync"``."""
+    steps = capped_steps(steps)  # the identity, except in a dry run (lsdl_lab.scale)
     w0 = torch.zeros(_least_squares()[0].shape[1], dtype=torch.float64)
     out = {}
     w = synchronous_sgd(rank, world_size, w0, least_squares_gradient, lr, steps)
@@ -246,7 +255,7 @@ def _codec_seconds(name: str, rank: int, model: nn.Module, world_size: int) -> f
     flat = torch.cat([g.reshape(-1) for g in grads])
     hook, make = _compressor(name.replace(" (torch)", ""), rank)
     runs = []
-    for _ in range(5):
+    for _ in range(capped_steps(5)):  # 5, except in a dry run (lsdl_lab.scale)
         start = time.perf_counter()
         if make is None:
             flat.half().float()
@@ -272,8 +281,9 @@ def _shard(x: torch.Tensor, y: torch.Tensor, step: int, batch: int, rank: int, w
 
 
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    n = capped_examples(len(y))  # the whole test set, except in a dry run (lsdl_lab.scale)
     with torch.no_grad(), eval_mode(model):  # BatchNorm by its running statistics
-        return accuracy(model(x), y).item()
+        return accuracy(model(x[:n]), y[:n]).item()
 
 
 def _digits(seed: int):
@@ -331,11 +341,16 @@ def compression_run(
     :func:`_codec_seconds`)."""
     start_iter = check_int("start_iter", start_iter, FRESH_DDP_STEPS)
     steps = check_int("steps", steps, start_iter + 1)
+    # A dry run (lsdl_lab.scale) caps the shared steps and the compressed ones, not the
+    # fresh model's uncompressed steps, which torch's PowerSGD needs; the identity outside.
+    shared = range(capped_steps(start_iter - FRESH_DDP_STEPS))
+    fresh = range(len(shared), len(shared) + FRESH_DDP_STEPS)
+    compressed = range(fresh.stop, fresh.stop + capped_steps(steps - start_iter))
+    batch = capped_examples(batch)
     x, y, test_x, test_y = _digits(seed)
     torch.manual_seed(seed)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    shared = range(start_iter - FRESH_DDP_STEPS)
     _train(_ddp(model), opt, x, y, shared, batch, rank, world_size)
     warm = copy.deepcopy((model.state_dict(), opt.state_dict()))
     results = {}
@@ -349,11 +364,11 @@ def compression_run(
         opt.load_state_dict(warm[1])
         start = time.perf_counter()
         with _counting_all_reduce(counter):
-            _train(ddp, opt, x, y, range(len(shared), start_iter), batch, rank, world_size)
+            _train(ddp, opt, x, y, fresh, batch, rank, world_size)
             before = bytes_sent()  # count only the compressed steps
-            _train(ddp, opt, x, y, range(start_iter, steps), batch, rank, world_size)
+            _train(ddp, opt, x, y, compressed, batch, rank, world_size)
         results[name] = {
-            "bytes_per_step": (bytes_sent() - before) / (steps - start_iter),
+            "bytes_per_step": (bytes_sent() - before) / len(compressed),
             "accuracy": _accuracy(model, test_x, test_y),
             "seconds": time.perf_counter() - start,
             "codec_s": _codec_seconds(name, rank, model, world_size),
@@ -382,6 +397,9 @@ def local_sgd_run(
     Returns ``{"periods": {H: {"accuracy", "rounds", "bytes", "seconds"}}, "overlap":
     {...}}``; ``bytes`` is what this rank handed to all-reduces (parameters or gradients
     in float32)."""
+    # the identity, except in a dry run (lsdl_lab.scale)
+    steps, batch = capped_steps(steps), capped_examples(batch)
+    overlap_repeats = capped_steps(overlap_repeats)
     x, y, test_x, test_y = _digits(seed)
     out = {}
     for period in periods:
@@ -470,6 +488,8 @@ def model_parallel_run(
     micro-batches of ``rows`` rows), ``repeats`` 1F1B and GPipe steps per ``micro_batches``
     after an untimed warm-up step: measured bubble (their median), the formula's, peak
     activations in flight, and this rank's timeline (for a figure) at the largest m."""
+    # the identity, except in a dry run (lsdl_lab.scale)
+    rows, repeats = capped_examples(rows), capped_steps(repeats)
     torch.manual_seed(0)
     block = models.TransformerBlock(dim, heads, 0.0).double()
     tp = TensorParallelBlock(block)

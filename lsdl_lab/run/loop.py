@@ -16,6 +16,11 @@ whether any rank's loss was NaN or infinite: then every rank raises
 rank is left waiting in a collective. Otherwise the optimizer steps (through the loss
 scaler with fp16), the schedule advances, a metrics record is written every
 ``log_every`` steps and a checkpoint every ``checkpoint_every`` steps and at the end.
+
+In a dry run (:mod:`lsdl_lab.scale`; the caps reach every rank through the environment,
+which ``torchrun`` and :func:`lsdl_lab.dist.spawn` pass on) the run stops after
+``LSDL_MAX_STEPS`` steps, its schedule still the config's, and each global batch holds at
+most ``LSDL_MAX_EXAMPLES`` examples, cut into as many micro-batches as the config's.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from tqdm.auto import tqdm
 from .._util import seed_from
 from ..dist.world import default_backend, free_port, init_from_env
 from ..memory import LossScaler, checkpoint_sequential
+from ..scale import capped_steps
 from ..train import NonFiniteLossError
 from . import checkpoint
 from .build import build, make_schedule, rank_slice
@@ -152,6 +158,7 @@ def _gather(world: int, value) -> list:
 
 def _run(config: Config, rank: int, world: int, device: torch.device) -> list[dict]:
     micro, accumulation = _micro_batch(config, world)
+    steps = capped_steps(config.steps)  # the identity, except in a dry run (lsdl_lab.scale)
     if config.kill_at_step >= 0 and config.kill_rank >= world:
         raise ValueError(
             f"Invalid kill_rank: {config.kill_rank} (expected an int in [0, {world - 1}])"
@@ -200,9 +207,9 @@ def _run(config: Config, rank: int, world: int, device: torch.device) -> list[di
     log = MetricsLog(out / METRICS, rank == 0, start)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
     bar = tqdm(
-        range(start, config.steps),
+        range(start, steps),
         initial=start,
-        total=config.steps,
+        total=steps,
         disable=rank != 0 or not config.progress,
         desc=f"lsdl_lab.run ({config.parallel}, world {world})",
     )
@@ -212,7 +219,10 @@ def _run(config: Config, rank: int, world: int, device: torch.device) -> list[di
         _inject_kill(config, rank, t, out)
         torch.manual_seed(seed_from("run", config.seed, t, rank))  # dropout of step t
         lr = optimizer.param_groups[0]["lr"]
-        pairs = rank_slice(built.batches(t), rank, world, micro)
+        batch = built.batches(t)
+        # micro, except for a dry run's capped batch: as many micro-batches, smaller
+        rows = max(1, min(micro, len(batch[1]) // world // accumulation))
+        pairs = rank_slice(batch, rank, world, rows)
         bytes_before = strategy.bytes_sent()
         t0 = time.perf_counter()
         strategy.model.train()
@@ -243,7 +253,7 @@ def _run(config: Config, rank: int, world: int, device: torch.device) -> list[di
         if flags[1].item() > 0:
             raise NonFiniteLossError(global_loss, float(lr), t)
         done = t + 1
-        logging = done % config.log_every == 0 or done == config.steps
+        logging = done % config.log_every == 0 or done == steps
         with strategy.communicating():
             stepped = True
             if scaler is None:
@@ -272,13 +282,11 @@ def _run(config: Config, rank: int, world: int, device: torch.device) -> list[di
             bar.set_postfix(loss=f"{record['loss']:.4f}")
             window = dict.fromkeys(window, 0)
             window["loss"] = 0.0
-        if (config.checkpoint_every and done % config.checkpoint_every == 0) or (
-            done == config.steps
-        ):
+        if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == steps:
             _save(path, strategy, scheduler, scaler, config, world, rank, done, elapsed)
     bar.close()
-    if start >= config.steps:
-        _say(rank, f"the checkpoint {path} is already at step {start} of {config.steps}")
+    if start >= steps:
+        _say(rank, f"the checkpoint {path} is already at step {start} of {steps}")
     return read_metrics(out / METRICS) if rank == 0 else []
 
 

@@ -106,3 +106,27 @@ def test_too_few_steps_are_refused():
         E.compression_run(0, 1, ["none"], steps=2, start_iter=5)
     with pytest.raises(ValueError, match="start_iter"):  # torch's PowerSGD needs 2
         E.compression_run(0, 1, ["none"], steps=5, start_iter=1)
+
+
+def test_a_dry_run_caps_the_steps_and_examples_of_every_rank(monkeypatch):
+    # The caps of lsdl_lab.scale reach the ranks through the caller's environment, which
+    # spawn hands to each rank.
+    monkeypatch.setenv("LSDL_MAX_STEPS", "2")
+    monkeypatch.setenv("LSDL_MAX_EXAMPLES", "4")
+    runs = [
+        functools.partial(
+            E.local_sgd_run, periods=(1, 4), steps=8, make_model=SMALL, overlap_repeats=3
+        ),
+        functools.partial(
+            E.compression_run, names=["none"], steps=8, make_model=SMALL, start_iter=5
+        ),
+    ]
+    local, comp = spawn(call_each, 2, runs, timeout=120)[0]
+    # one all-reduce a step at H = 1: 2 steps ran, not 8; none at H = 4 (8 // 4 uncapped)
+    assert local["periods"][1]["rounds"] == 2 and local["periods"][4]["rounds"] == 0
+    # the compressed steps counted are those that ran: a whole gradient's bytes per step
+    none = comp["none"]
+    assert none["bytes_per_step"] == 4 * none["parameters"]
+    # each test accuracy is on 4 test images: a multiple of 1/4
+    for r in [*local["periods"].values(), none]:
+        assert (4 * r["accuracy"]).is_integer(), r

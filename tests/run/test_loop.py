@@ -6,9 +6,11 @@ The world-2 runs happen once per session in one spawned world (conftest.world2, 
 float64); the one-process references run here.
 """
 
+import functools
 import math
 import shutil
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +18,8 @@ import torch.distributed as dist
 from run_workers import BASE, CONSTANT, WORLD2, config, make
 
 from lsdl_lab import compress
-from lsdl_lab.dist import free_port
-from lsdl_lab.run import Config, read_metrics, train
+from lsdl_lab.dist import call_each, free_port, spawn
+from lsdl_lab.run import Config, read_metrics, run_rank, train
 from lsdl_lab.run.checkpoint import load
 
 # float64 sums of two ranks' halves against one process's whole batch differ in the last
@@ -235,3 +237,24 @@ def test_each_round_of_torchrun_workers_joins_under_its_own_keys(tmp_path, monke
         records = train(make(CONSTANT, steps=1, out_dir=str(tmp_path / f"round{round_}")))
         assert records[-1]["world_size"] == 1 and not dist.is_initialized()
         assert agent.add("lsdl_lab.dist/joined", 0) == round_ + 1
+
+
+def test_a_dry_run_stops_every_rank_at_the_capped_step_with_as_many_micro_batches(
+    tmp_path, monkeypatch
+):
+    # lsdl_lab.scale's caps, read by each rank from the environment spawn hands it: 2 of
+    # the 4 steps, global batches of 8 of the 32 examples (4 per rank); the accumulating
+    # run cuts its 4 into 4 micro-batches of 1, as its config cuts 16 into 4 of 4.
+    monkeypatch.setenv("LSDL_MAX_STEPS", "2")
+    monkeypatch.setenv("LSDL_MAX_EXAMPLES", "8")
+    configs = [
+        make(BASE, steps=4, out_dir=str(tmp_path / "ddp")),
+        make(BASE, steps=4, micro_batch=4, out_dir=str(tmp_path / "accumulate")),
+    ]
+    runs = [functools.partial(run_rank, config=c) for c in configs]
+    whole, accumulated = spawn(call_each, 2, runs, timeout=60)[0]
+    for records, c in zip((whole, accumulated), configs, strict=True):
+        assert [r["step"] for r in records] == [1, 2]
+        assert load(Path(c.out_dir) / "checkpoint.pt")["step"] == 2  # saved at the end
+    losses = [r["loss"] for r in whole]
+    assert [r["loss"] for r in accumulated] == pytest.approx(losses, rel=TOL, abs=0)
