@@ -6,8 +6,11 @@ PyHessian), ``optimizers`` (step times against torch.optim, LARS and LAMB agains
 references), ``communication`` (the hand-built ring and tree all-reduce against
 ``dist.all_reduce``, the compressors against torch's DDP hooks), ``zero`` (ZeRO's stages
 against DDP, ZeroRedundancyOptimizer and FSDP2 at world 2), ``second-order`` (K-FAC and
-Shampoo beside Adam and pytorch-optimizer's Shampoo) and ``project-cost`` (each lab, the
-tests and the book build, timed: tens of minutes, so not in the default set). Each
+Shampoo beside Adam and pytorch-optimizer's Shampoo), ``compiled`` (every optimizer's
+``compile=True`` path against eager, torch's fused kernels, pytorch-optimizer and the
+bandwidth roof, the labs' verdict and the compile cache: about half an hour, most of it
+compiling, so not in the default set) and ``project-cost`` (each lab, the tests and the
+book build, timed: tens of minutes, not in the default set either). Each
 writes its table to ``benchmarks/results/``; ``--quick`` runs each on a tiny model and
 writes nothing (a test that everything runs);
 ``--full`` gives each more time and sizes (:data:`FULL`): steadier ratios, about three
@@ -26,6 +29,7 @@ BENCHMARKS = (
     "communication",
     "zero",
     "second-order",
+    "compiled",
     "project-cost",
 )
 DEFAULT = "bandwidth,hessian,optimizers,communication,zero,second-order"
@@ -45,6 +49,7 @@ FULL = {
     ],
     "zero": ["--repeats", "60"],
     "second-order": ["--rounds", "100"],
+    "compiled": ["--budget", "6"],
     "project-cost": [],
 }
 
@@ -70,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks import (
         bandwidth,
         communication,
+        compiled,
         hessian,
         optimizers,
         project_cost,
@@ -85,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         "communication": communication.main,
         "zero": zero.main,
         "second-order": second_order.main,
+        "compiled": compiled.main,
         "project-cost": project_cost.main,
     }
     for name in [n for n in BENCHMARKS if n in args.names]:

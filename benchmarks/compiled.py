@@ -2,32 +2,50 @@
 through ``torch.compile`` (``compile=True``), beside its eager foreach path, torch.optim's
 fused kernel where torch has one, and pytorch-optimizer's where it has the optimizer.
 
+The rows come from the package: every optimizer class that ``lsdl_lab.optim.__all__``
+exports, with the variants of :data:`VARIANTS` (momentum, Nesterov, AMSGrad); a class whose
+``update`` cannot be compiled (its ``not_compilable`` reason: Shampoo, Newton,
+Hessian-free) is listed with the reason it falls back to eager, and one whose step needs
+more than fixed gradients (SAM, K-FAC: :data:`NOT_TIMED`) with why it is not timed here.
+
 For each optimizer and model size: the step time of each implementation (caches flushed
 before every step, all implementations interleaved round by round with B*, the streaming
 reference of ``benchmarks/bandwidth.py``: a ``_foreach_add_`` over tensors shaped like the
 model, timed in the same rounds), the **minimum** bytes per parameter any implementation
-must move (:func:`benchmarks.bandwidth.minimum_traffic`), and so the fraction of the
-streaming bandwidth each reaches. The compiled optimizer's compilation (its first compiled
-step) is timed apart and kept out of the step times. Finally, the cache: a fresh process
-compiles Adam's update with an empty TorchInductor cache, a second process with the cache
-the first left: the second compiles faster.
+must move (:func:`benchmarks.bandwidth.minimum_bytes_per_param`), and so the fraction of
+the streaming bandwidth each reaches; and for the compiled path, the bytes its kernels move
+by TorchInductor's own count and the number of kernels it generated (replayed from the
+cache when the graph came from there). The compiled optimizer's compilation (its first
+compiled step) is timed apart, kept out of the step times, and marked when TorchInductor's
+on-disk cache served it.
+
+Then the labs (:data:`LAB_RUNS`): each lab's optimizer on its model, eager and compiled, at
+the smoke and cpu profiles (measured) and at gpu (estimated from the model's size and the
+bytes its eager step moves): does compiling pay for a lab's run? Finally the cache across
+processes: a fresh process compiles Adam's update with an empty TorchInductor cache, a
+second one with the cache the first left (:data:`CACHE_SCRIPT`).
 
 Goals (issue 18): compiled within 1.1x of torch's fused kernel for SGD with momentum,
-Adagrad, Adam and AdamW; at least 80% of B* for every optimizer.
+Adagrad, Adam and AdamW; at least 80% of B* for every optimizer. A row that misses one says
+why, from what was measured.
 
 Run from the repository root::
 
-    python -m benchmarks.compiled                        # 1M, 10M, 50M: long (compiles)
+    python -m benchmarks.compiled                        # about 25 min with a warm cache
     python -m benchmarks.compiled --sizes 10M --only Adam,SGD
-    python -m benchmarks.compiled --quick                # the tiny model: a test
+    python -m benchmarks.compiled --quick                # one optimizer, tiny: a test
 
-Then the labs' models (Adam's step at the cpu and gpu profiles: does compiling pay
-there?) and the cache measurement.
+A cold compile of one optimizer for the 10M model takes 1-2 min here (TorchInductor's
+scheduling and code generation, then the C++ compiler), a compile served by the cache a few
+seconds: ``--all-at`` runs every optimizer at some sizes only, the goal rows at the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
+import math
 import os
 import subprocess
 import sys
@@ -39,7 +57,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import ROOT, optimizers
-from benchmarks.bandwidth import minimum_bytes_per_param
+from benchmarks.bandwidth import implemented_bytes_per_param, minimum_bytes_per_param
 from benchmarks.timing import (
     add_device_options,
     compare,
@@ -50,49 +68,156 @@ from benchmarks.timing import (
     results_path,
     write_report,
 )
-from lsdl_lab import optim
-from lsdl_lab.models import GPT, MLP, ResNet
+from lsdl_lab import data, models, optim
+from lsdl_lab.scale import PROFILES
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compiled.md"
+# The benchmark's own TorchInductor cache (unless TORCHINDUCTOR_CACHE_DIR names one): every
+# graph in it was compiled with TorchInductor's byte count on, which a cache hit replays
+CACHE_DIR = Path(tempfile.gettempdir()) / "lsdl_benchmarks_inductor"
 FLUSH_MB = 256  # read before every timed step: beyond this machine's 105 MB L3 cache
 MIN_ROUNDS, MAX_ROUNDS = 5, 40
 FUSED_GOAL, ROOF_GOAL = 1.1, 0.8
 FUSED = ("SGD", "Adagrad", "Adam", "AdamW")  # torch.optim's fused CPU kernels
+GOAL_ROWS = ("SGD momentum=0.9", "Adagrad", "Adam", "AdamW")  # the issue's fused goal
+
+# Variants of one class that run different code (a class not listed: one row, defaults).
+VARIANTS = {
+    "SGD": [
+        ("SGD", dict(lr=1e-3)),
+        ("SGD momentum=0.9", dict(lr=1e-3, momentum=0.9)),
+        ("SGD nesterov", dict(lr=1e-3, momentum=0.9, nesterov=True)),
+    ],
+    "Adam": [("Adam", {}), ("Adam amsgrad", dict(amsgrad=True))],
+    # pytorch-optimizer's settings that compute the same update (benchmarks/optimizers.py)
+    "LARS": [("LARS", dict(lr=0.1, momentum=0.9, eps=0.0))],
+    "LAMB": [("LAMB", dict(lr=1e-3, weight_decay=0.01, bias_correction=False, clamp=(0, 10)))],
+}
+LARS_DECAY = 1e-4  # LARS's groups (param_groups_for_layerwise) as pytorch-optimizer's
 
 
-def po(name: str):
-    module = optimizers.pytorch_optimizer()
-    if module is None:
-        raise ImportError("pytorch_optimizer is not installed")
-    return getattr(module, name)
+def theirs(name: str):
+    """pytorch-optimizer's factory for the lsdl_lab optimizer ``name`` (from the parameter
+    list), or None where it has none; it raises ImportError when not installed."""
+
+    def make(po_name, **kwargs):
+        def build(params):
+            module = optimizers.pytorch_optimizer()
+            if module is None:
+                raise ImportError("pytorch_optimizer is not installed")
+            return getattr(module, po_name)(params, **kwargs)
+
+        return build
+
+    return {
+        "LARS": make("LARS", lr=0.1, momentum=0.9, weight_decay=LARS_DECAY, foreach=True),
+        "LAMB": make("Lamb", lr=1e-3, weight_decay=0.01, weight_decouple=False, foreach=True),
+        "Adafactor": make("AdaFactor", betas=(None, 0.999)),
+        "SM3": make("SM3", foreach=True),
+    }.get(name)
 
 
-def layerwise(ps, wd):
-    return optim.param_groups_for_layerwise(ps, wd)
+# Optimizers whose step is more than an update from fixed gradients.
+NOT_TIMED = {
+    "SAM": "wraps a base optimizer (compile=True goes to the base, in base_kwargs: its "
+    "update is the base's row here); its own perturbation needs a second forward and "
+    "backward pass per step",
+    "KFAC": "preconditions eagerly (per-layer factors from the model's forward and backward "
+    "hooks, refreshed every update_freq steps) and compiles only its momentum update (the "
+    "SGD momentum row's); its step cannot run from fixed gradients alone",
+}
 
 
-# (label, lsdl_lab name, lsdl_lab options, torch.optim options or None, pytorch-optimizer
-# factory or None). Each pair runs the same algorithm with the same state (the settings of
-# benchmarks/optimizers.py and benchmarks/memory_optimizers.py); minimum bytes are counted
-# from the lsdl_lab name and options.
-ROWS = [
-    ("SGD momentum=0.9", "SGD", dict(lr=1e-3, momentum=0.9), {}, None),
-    ("Adagrad", "Adagrad", {}, {}, None),
-    ("Adam", "Adam", {}, {}, None),
-    ("AdamW", "AdamW", {}, {}, None),
-    ("RMSprop", "RMSprop", {}, None, None),
-    ("Adadelta", "Adadelta", {}, None, None),
-    ("Adamax", "Adamax", {}, None, None),
-    ("NAdam", "NAdam", {}, None, None),
-    ("LARS", "LARS", dict(lr=0.1, momentum=0.9, eps=0.0), None,
-     lambda ps: po("LARS")(ps, lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=True)),
-    ("LAMB", "LAMB", dict(lr=1e-3, weight_decay=0.01, bias_correction=False, clamp=(0.0, 10.0)),
-     None, lambda ps: po("Lamb")(ps, lr=1e-3, weight_decay=0.01, weight_decouple=False,
-                                 foreach=True)),
-    ("Adafactor", "Adafactor", {}, None, lambda ps: po("AdaFactor")(ps, betas=(None, 0.999))),
-    ("SM3", "SM3", {}, None, lambda ps: po("SM3")(ps, foreach=True)),
-]  # fmt: skip
-LAYERWISE_DECAY = {"LARS": 1e-4, "LAMB": None}  # LARS's groups as pytorch-optimizer's
+@dataclass
+class Entry:
+    """One row of the benchmark (``options`` set) or one optimizer only listed (``reason``)."""
+
+    label: str
+    name: str
+    options: dict = field(default_factory=dict)
+    reason: str = ""
+
+
+def book_rows() -> list[Entry]:
+    """Every optimizer of ``lsdl_lab.optim.__all__``, in its order: its variants' rows, or
+    the reason it falls back to eager or is not timed here."""
+    out = []
+    for name in optim.__all__:
+        cls = getattr(optim, name)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            continue
+        if cls is optim.Optimizer:
+            continue
+        if getattr(cls, "not_compilable", ""):
+            out.append(Entry(name, name, reason="falls back to eager: " + cls.not_compilable))
+        elif name in NOT_TIMED:
+            out.append(Entry(name, name, reason="not timed here: " + NOT_TIMED[name]))
+        else:
+            out += [Entry(label, name, opts) for label, opts in VARIANTS.get(name, [(name, {})])]
+    return out
+
+
+def minimum_bytes(name: str, options: dict, params: list[torch.Tensor]) -> float:
+    """Minimum bytes per parameter of one step (:func:`minimum_bytes_per_param`). SM3 has no
+    count there, since it depends on the model: a matrix's accumulators are vectors (one per
+    row, one per column, a negligible share of the traffic, as Adafactor's), so it moves what
+    SGD with the same momentum moves; a vector's accumulator is a full-size array (SM3 is
+    Adagrad there), what RMSprop with the same momentum moves."""
+    size = params[0].element_size()
+    if name != "SM3":
+        return minimum_bytes_per_param(name, options, size)
+    momentum = {"momentum": options.get("momentum", 0.0)}
+    matrix = minimum_bytes_per_param("SGD", momentum, size)
+    vector = minimum_bytes_per_param("RMSprop", momentum, size)
+    n = sum(p.numel() for p in params)
+    return sum((matrix if p.dim() >= 2 else vector) * p.numel() for p in params) / n
+
+
+def lsdl(entry: Entry, params, compile: bool):
+    if entry.name == "LARS":
+        params = optim.param_groups_for_layerwise(params, LARS_DECAY)
+    return getattr(optim, entry.name)(params, **entry.options, compile=compile)
+
+
+def candidates(entry: Entry, params) -> list[tuple[str, object]]:
+    """(implementation, optimizer or the reason it is missing) of one row."""
+    out = [("eager foreach", lsdl(entry, params, False)), ("compiled", lsdl(entry, params, True))]
+    if entry.name in FUSED:
+        torch_cls = getattr(torch.optim, entry.name)
+        out.append(("torch fused", torch_cls(params, **entry.options, fused=True)))
+    factory = theirs(entry.name)
+    if factory is not None:
+        try:
+            out.append(("pytorch-optimizer", factory(params)))
+        except ImportError as e:
+            out.append(("pytorch-optimizer", str(e)))
+    return out
+
+
+def quiet_inductor_metrics() -> None:
+    """Have TorchInductor count the bytes each compiled graph's kernels move (it counts only
+    with its metrics log at INFO), without printing that log. Importing TorchInductor fixes
+    its cache directory: set ``TORCHINDUCTOR_CACHE_DIR`` before."""
+    from torch._inductor import compile_fx
+
+    torch._logging.set_logs(inductor_metrics=True)
+    log = compile_fx.inductor_metrics_log
+    log.handlers[:] = [logging.NullHandler()]
+    log.propagate = False
+
+
+def inductor_counts() -> dict[str, int]:
+    """TorchInductor's running counts: its on-disk (FX-graph) cache's hits and misses, the
+    kernels it generated and the bytes they move by its count (both replayed on a hit)."""
+    from torch._inductor import metrics
+
+    counters = torch._dynamo.utils.counters["inductor"]
+    return dict(
+        hits=counters["fxgraph_cache_hit"],
+        misses=counters["fxgraph_cache_miss"],
+        kernels=metrics.generated_kernel_count,
+        bytes=metrics.num_bytes_accessed,
+    )
 
 
 @dataclass
@@ -107,36 +232,18 @@ class Impl:
 class Row:
     label: str
     minimum: float  # bytes per parameter
+    tensors: int
     impls: list[Impl] = field(default_factory=list)
     stream: float = float("nan")  # B*: GB/s, median of the rounds
     compile_s: float = float("nan")
+    cached: str = ""  # "cold", "cache" or "mixed": how the compile was served
+    kernels: int = 0  # kernels TorchInductor generated for the step's graphs
+    inductor_bytes: float = float("nan")  # bytes per parameter by TorchInductor's count
     rounds: int = 0
 
 
-def lsdl(name, options, params, compile):
-    options = dict(options)
-    if name == "LARS":
-        params = layerwise(params, LAYERWISE_DECAY["LARS"])
-    return getattr(optim, name)(params, **options, compile=compile)
-
-
-def candidates(label, name, options, torch_options, theirs, params):
-    """(implementation, optimizer or the reason it is missing) of one row."""
-    out = [("eager foreach", lsdl(name, options, params, False)),
-           ("compiled", lsdl(name, options, params, True))]  # fmt: skip
-    if torch_options is not None:
-        kwargs = {**options, **torch_options}
-        if name in FUSED:
-            out.append(("torch fused", getattr(torch.optim, name)(params, **kwargs, fused=True)))
-    if theirs is not None:
-        try:
-            out.append(("pytorch-optimizer", theirs(params)))
-        except ImportError as e:
-            out.append(("pytorch-optimizer", str(e)))
-    return out
-
-
-def benchmark_size(size, device, rounds, budget, timer, flush, only, goal_rows_only=False):
+def benchmark_size(size, device, rounds, budget, timer, flush, entries):
+    """The rows of ``entries`` on the model of ``size``: (header, parameters, rows)."""
     torch.manual_seed(0)
     params = [p.detach().to(device) for p in optimizers.SIZES[size][1]().parameters()]
     header = optimizers.describe(size, params)
@@ -151,41 +258,46 @@ def benchmark_size(size, device, rounds, budget, timer, flush, only, goal_rows_o
     def stream():  # the plain SGD step's 12 bytes per parameter, no optimizer around it
         torch._foreach_add_(sa, sb, alpha=1e-6)
 
-    def restore():
+    def restore():  # Nesterov, LARS and others write into p.grad: the same input each time
         torch._foreach_copy_(grads, fixed)
 
+    def setup():
+        restore()
+        flush()
+
     rows = []
-    for label, name, options, torch_options, theirs in ROWS:
-        if (only is not None and name not in only) or (goal_rows_only and name not in FUSED):
-            continue
-        row = Row(label, minimum_bytes_per_param(name, options, params[0].element_size()))
+    for entry in entries:
+        row = Row(
+            entry.label, minimum_bytes(entry.name, entry.options, params), tensors=len(params)
+        )
         steps = {}
-        for impl, opt in candidates(label, name, options, torch_options, theirs, params):
+        for impl, opt in candidates(entry, params):
             if isinstance(opt, str):
                 row.impls.append(Impl(impl, note=opt))
                 continue
             restore()
             opt.step()  # creates the state (eagerly, on every path)
             restore()
-            start = time.perf_counter()
+            before, start = inductor_counts(), time.perf_counter()
             opt.step()  # the compiled path's first compiled step: the compilation
             if impl == "compiled":
+                after = inductor_counts()
                 row.compile_s = opt.compiled.compile_seconds
+                hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+                row.cached = "mixed" if hits and misses else "cache" if hits else "cold"
+                row.kernels = after["kernels"] - before["kernels"]
+                row.inductor_bytes = (after["bytes"] - before["bytes"]) / n
                 if opt.compiled.failure:
                     row.impls.append(Impl(impl, note=f"eager: {opt.compiled.failure[:80]}"))
                     continue
-            log(f"  {label:<18} {impl:<18} first warm step {time.perf_counter() - start:.2f} s")
+            warm = time.perf_counter() - start
+            log(f"  {entry.label:<18} {impl:<18} first warm step {warm:.2f} s")
             steps[impl] = opt.step
             row.impls.append(Impl(impl))
         restore()
         t0 = timer()
         compare(steps, repeats=1, warmup=1, setup=restore, timer=timer)
         row.rounds = rounds or int(min(max(budget / (timer() - t0), MIN_ROUNDS), MAX_ROUNDS))
-
-        def setup():
-            restore()  # Nesterov, LARS and others write into p.grad: the same input each time
-            flush()
-
         result = compare({**steps, "B*": stream}, row.rounds, warmup=1, setup=setup, timer=timer)
         row.stream = quartiles([12 * n / t / 1e9 for t in result.times["B*"]])[1]
         for impl in row.impls:
@@ -194,71 +306,173 @@ def benchmark_size(size, device, rounds, budget, timer, flush, only, goal_rows_o
                 impl.ms, impl.q = 1e3 * med, (1e3 * q1, 1e3 * q3)
         rows.append(row)
         for impl in row.impls:
-            log(f"  {label:<18} {impl.name:<18} " + (impl.note or f"{impl.ms:9.3f} ms"))
-        log(f"  {label:<18} B* {row.stream:.2f} GB/s; compile {row.compile_s:.1f} s")
+            log(f"  {entry.label:<18} {impl.name:<18} " + (impl.note or f"{impl.ms:9.3f} ms"))
+        log(f"  {entry.label:<18} B* {row.stream:.2f} GB/s; compile {row.compile_s:.1f} s "
+            f"({row.cached}); {row.kernels} kernels, {row.inductor_bytes:.1f} B/param")  # fmt: skip
         del steps
     return header, n, rows
 
 
-# The labs' models at the cpu and gpu profiles (lsdl_lab.scale), and the optimizer steps a
-# lab takes with them (cpu: 12 epochs of the 1,437 training digits in batches of 64, or
-# lm_steps; gpu: 30 epochs of CIFAR-10's 50,000 images in batches of 128, or lm_steps).
-# Vocabularies: 96 characters (Python source), 65 (Tiny Shakespeare).
-LAB_MODELS = [
-    ("cpu", "MLP on digits, hidden 256", lambda: MLP(64, 10, hidden=256), 12 * 23),
-    ("cpu", "ResNet-14, width 16, digits", lambda: ResNet(14, 16, 10, 1), 12 * 23),
-    ("cpu", "GPT, 2 layers, dim 128, block 64", lambda: GPT(96, 64, layers=2, heads=4, dim=128),
-     600),
-    ("gpu", "ResNet-20, width 16, CIFAR-10", lambda: ResNet(20, 16, 10, 3), 30 * 391),
-    ("gpu", "GPT, 6 layers, dim 384, block 256",
-     lambda: GPT(65, 256, layers=6, heads=6, dim=384), 3000),
+# --- the labs -----------------------------------------------------------------------------
+
+# The data each profile's labs read: (training images, image shape, characters of the text
+# vocabulary). smoke and cpu load theirs (digits and Python's source ship with the
+# packages); gpu's are CIFAR-10's 50,000 training images of 3x32x32 and Tiny Shakespeare's
+# 65 characters (Karpathy's char-rnn file), which need a download.
+GPU_DATA = (50_000, (3, 32, 32), 65)
+# A T4's memory bandwidth (GB/s, NVIDIA's data sheet): Colab's free GPU, the slowest the gpu
+# profile runs on, where a step's bytes cost the most time and compiling saves the most.
+GPU_GBPS = 320.0
+
+
+def profile_data(profile) -> tuple[int, tuple[int, ...], int]:
+    if profile.name == "gpu":
+        return GPU_DATA
+    images = data.load_images(profile.image_dataset).subset(profile.max_train_examples)
+    text = data.load_text(profile.text_dataset, max_chars=profile.max_text_chars)
+    return len(images.train_y), tuple(images.input_shape), text.vocab_size
+
+
+def lab_resnet(P, d, depth=None):
+    return models.ResNet(depth or P.resnet_depth, P.resnet_width, 10, d[1][0])
+
+
+def lab6_gpt(P, d):
+    layers, heads, width, block = P.pick(
+        smoke=(P.gpt_layers, P.gpt_heads, P.gpt_dim, P.block_size),
+        cpu=(1, 2, 64, 32),
+        gpu=(P.gpt_layers, P.gpt_heads, P.gpt_dim, P.block_size),
+    )
+    return models.GPT(d[2], block, layers, heads, width)
+
+
+def epochs_of(batch):
+    """Steps of ``epochs`` passes over a profile's training images in batches of ``batch``."""
+    return lambda epochs, d: epochs * math.ceil(d[0] / batch)
+
+
+# Each lab's runs with an lsdl_lab optimizer, as the notebooks build them (labs/*.ipynb):
+# (lab and run, model (profile, data), optimizer and options, optimizer steps of one run
+# (profile, data)). Labs 1, 2, 5 and 7 train with torch.optim, which has no compile=True.
+LAB_RUNS = [
+    ("Lab 3, ResNet race (10 optimizers)", lambda P, d: models.resnet_for(P, 10, d[1][0]),
+     ("Adam", {}), lambda P, d: P.pick(smoke=2, cpu=3, gpu=1) * math.ceil(d[0] / P.batch_size)),
+    ("Lab 3, GPT race (10 optimizers)", lambda P, d: models.gpt_for(P, d[2]), ("Adam", {}),
+     lambda P, d: P.pick(smoke=30, cpu=100, gpu=120)),
+    ("Lab 4a, ResNet at B0 (SGD momentum)",
+     lambda P, d: lab_resnet(P, d, P.pick(smoke=P.resnet_depth, cpu=8, gpu=P.resnet_depth)),
+     ("SGD", dict(lr=0.04, momentum=0.9, weight_decay=5e-4)),
+     lambda P, d: P.pick(smoke=20, cpu=30, gpu=4)
+     * math.ceil(d[0] / P.pick(smoke=16, cpu=16, gpu=128))),
+    ("Lab 4b, ResNet (LARS)", lambda P, d: models.resnet_for(P, 10, d[1][0]),
+     ("LARS", dict(lr=3.0, momentum=0.9)),
+     lambda P, d: P.pick(smoke=15, cpu=30, gpu=4) * math.ceil(d[0] / P.batch_size)),
+    ("Lab 4b, GPT (LAMB)", lambda P, d: models.gpt_for(P, d[2]), ("LAMB", dict(lr=0.05)),
+     lambda P, d: P.pick(smoke=40, cpu=60, gpu=50)),
+    ("Lab 6, ResNet (Adam; K-FAC's momentum as SGD's)",
+     lambda P, d: lab_resnet(P, d, P.pick(smoke=P.resnet_depth, cpu=8, gpu=P.resnet_depth)),
+     ("Adam", dict(lr=1e-2)), lambda P, d: P.pick(smoke=40, cpu=50, gpu=400)),
+    ("Lab 6, GPT (Adam)", lab6_gpt, ("Adam", dict(lr=3e-3)),
+     lambda P, d: P.pick(smoke=40, cpu=80, gpu=300)),
+    ("Lab 8, GPT (Adam, Adafactor, SM3)", lambda P, d: models.gpt_for(P, d[2]),
+     ("Adam", dict(lr=3e-3)), lambda P, d: P.pick(smoke=60, cpu=60, gpu=300)),
+    ("Lab 9, MLP (AdamW, per rank)",
+     lambda P, d: models.MLP(math.prod(d[1]), 10, P.mlp_hidden), ("AdamW", dict(lr=3e-3)),
+     lambda P, d: P.pick(smoke=12, cpu=60, gpu=300)),
 ]  # fmt: skip
 
 
 @dataclass
 class LabRow:
+    lab: str
     profile: str
-    model: str
     n: int
+    tensors: int
+    optimizer: str
     steps: int
-    eager_ms: float
-    compiled_ms: float
-    compile_s: float
+    eager_ms: float = float("nan")
+    compiled_ms: float = float("nan")
+    compile_s: float = float("nan")
+    cached: str = ""
+    estimated: bool = False  # gpu: from bytes and an assumed bandwidth, not timed
+
+    @property
+    def saved_s(self) -> float:
+        """Seconds the compiled path saves over the run's steps, less its compilation."""
+        return self.steps * (self.eager_ms - self.compiled_ms) / 1e3 - self.compile_s
 
     @property
     def break_even(self) -> float:
-        """Steps after which the compiled path has saved its compilation."""
+        """Steps after which the compiled path has repaid its compilation."""
         saved = (self.eager_ms - self.compiled_ms) / 1e3
         return self.compile_s / saved if saved > 0 else float("inf")
 
 
-def lab_profiles(device, timer, budget) -> list[LabRow]:
-    """Adam's step, eager and compiled, on the labs' models: does compiling pay there?
-    No cache flush here: a lab's small state stays in the caches from step to step."""
-    rows = []
-    for profile, label, make, steps in LAB_MODELS:
-        torch.manual_seed(0)
-        params = [p.detach().to(device) for p in make().parameters()]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        eager, compiled = optim.Adam(params), optim.Adam(params, compile=True)
-        for opt in (eager, compiled, compiled):
-            opt.step()
-        t0 = timer()
-        compare({"eager": eager.step, "compiled": compiled.step}, repeats=1, warmup=1, timer=timer)
-        repeats = int(min(max(budget / (timer() - t0), MIN_ROUNDS), 200))
-        result = compare({"eager": eager.step, "compiled": compiled.step}, repeats, timer=timer)
-        row = LabRow(profile, label, sum(p.numel() for p in params), steps,
-                     1e3 * result.median("eager"), 1e3 * result.median("compiled"),
-                     compiled.compiled.compile_seconds)  # fmt: skip
-        log(f"  lab {profile} {label}: eager {row.eager_ms:.3f} ms, compiled "
-            f"{row.compiled_ms:.3f} ms, compile {row.compile_s:.1f} s")  # fmt: skip
-        rows.append(row)
+def lab_step(make, name, options, compile):
+    """An optimizer ``name`` over a fresh model's parameters, with fixed gradients and its
+    state created (and, compiled, its graph): (optimizer, parameters)."""
+    torch.manual_seed(0)
+    params = [p.detach() for p in make().parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = getattr(optim, name)(params, **options, compile=compile)
+    opt.step()
+    return opt, params
+
+
+def lab_rows(profiles, timer, budget) -> list[LabRow]:
+    """Each lab run's optimizer step, eager and compiled, at the measured ``profiles``; its
+    estimate at gpu. No cache flush: a lab's small state stays in the caches between steps.
+    A model and optimizer that several runs share is measured once."""
+    rows, measured, compiles = [], {}, []
+    for pname in [*profiles, "gpu"]:
+        P = PROFILES[pname]
+        d = profile_data(P)
+        for lab, model, (name, options), steps in LAB_RUNS:
+            make = functools.partial(model, P, d)
+            probe = make()
+            n = sum(p.numel() for p in probe.parameters())
+            tensors = len(list(probe.parameters()))
+            row = LabRow(lab, pname, n, tensors, name, steps(P, d))
+            key = (pname, repr(probe), name)
+            if pname == "gpu":
+                row.estimated = True
+                opt, params = lab_step(make, name, options, False)
+                eager_b = implemented_bytes_per_param(opt.step, n)
+                row.eager_ms = eager_b * n / GPU_GBPS / 1e6
+                row.compiled_ms = minimum_bytes(name, options, params) * n / GPU_GBPS / 1e6
+                # a lower bound: the fastest compile measured here (a GPU's adds Triton's)
+                row.compile_s = min(compiles) if compiles else float("nan")
+            elif key in measured:
+                row.eager_ms, row.compiled_ms, row.compile_s, row.cached = measured[key]
+            else:
+                eager, _ = lab_step(make, name, options, False)
+                before = inductor_counts()
+                compiled, _ = lab_step(make, name, options, True)
+                compiled.step()  # compiles
+                hits = inductor_counts()["hits"] - before["hits"]
+                row.cached = "cache" if hits else "cold"
+                row.compile_s = compiled.compiled.compile_seconds
+                fns = {"eager": eager.step, "compiled": compiled.step}
+                t0 = timer()
+                compare(fns, repeats=1, warmup=1, timer=timer)
+                repeats = int(min(max(budget / (timer() - t0), MIN_ROUNDS), 200))
+                result = compare(fns, repeats, timer=timer)
+                row.eager_ms = 1e3 * result.median("eager")
+                row.compiled_ms = 1e3 * result.median("compiled")
+                measured[key] = (row.eager_ms, row.compiled_ms, row.compile_s, row.cached)
+                compiles.append(row.compile_s)
+            log(f"  {lab} at {pname}: {n:,} parameters, eager {row.eager_ms:.3f} ms, "
+                f"compiled {row.compiled_ms:.3f} ms, compile {row.compile_s:.1f} s, "
+                f"{row.steps} steps")  # fmt: skip
+            rows.append(row)
     return rows
 
 
+# --- the compile cache across processes -----------------------------------------------------
+
 CACHE_SCRIPT = """
-import sys, time, torch
+import sys, torch
 torch.set_num_threads(1)
 from lsdl_lab import optim
 from benchmarks.optimizers import SIZES
@@ -268,128 +482,195 @@ for p in params:
 opt = optim.Adam(params, compile=True)
 opt.step()
 opt.step()
-print(opt.compiled.compile_seconds)
+counters = torch._dynamo.utils.counters["inductor"]
+print(opt.compiled.compile_seconds, counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"])
 """
 
 
-def cache_reuse(size: str) -> tuple[float, float]:
-    """Seconds to compile Adam's update on the model of ``size`` in a fresh process with an
-    empty TorchInductor cache, then in a second fresh process with the cache the first
-    left (its FX-graph cache: the generated and compiled kernels)."""
+def cache_reuse(size: str) -> list[tuple[float, int, int]]:
+    """(compile seconds, FX-graph cache hits, misses) of Adam's update on the model of
+    ``size``, compiled in a fresh process with an empty TorchInductor cache, then in a second
+    fresh process with the cache the first left on disk."""
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
-        times = []
+        runs = []
         for _ in range(2):
             out = subprocess.run(
                 [sys.executable, "-c", CACHE_SCRIPT, size],
                 cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=1800,
             )  # fmt: skip
-            times.append(float(out.stdout.strip().splitlines()[-1]))
-    return times[0], times[1]
+            seconds, hits, misses = out.stdout.strip().splitlines()[-1].split()
+            runs.append((float(seconds), int(hits), int(misses)))
+    return runs
+
+
+# --- the report -----------------------------------------------------------------------------
 
 
 def gbps(row: Row, impl: Impl, n: int) -> float:
     return row.minimum * n / (impl.ms * 1e-3) / 1e9
 
 
+def roof_ms(row: Row, bytes_per_param: float, n: int) -> float:
+    """Milliseconds ``bytes_per_param`` take at B*, the row's streaming bandwidth."""
+    return bytes_per_param * n / (row.stream * 1e9) * 1e3
+
+
+def why_slow(row: Row, compiled: Impl, n: int) -> str:
+    """The measured reason a compiled step is slower than the roof: the traffic of its
+    kernels (TorchInductor's count) at B*, against the rest of its time."""
+    moved = row.inductor_bytes
+    kernels = f"{row.kernels} kernels for {row.tensors} tensors"
+    if not moved > 0:  # its cache served a graph compiled without TorchInductor's count
+        return f"{kernels} (TorchInductor's byte count missing: a graph from another cache)"
+    at_roof = roof_ms(row, moved, n)
+    if moved > 1.1 * row.minimum:
+        return (
+            f"its kernels move {moved:.1f} B/param by TorchInductor's count ({kernels}), "
+            f"{moved / row.minimum:.2f}x the minimum: that traffic alone takes "
+            f"{at_roof:.2f} ms at B\\*, of its {compiled.ms:.2f} ms"
+        )
+    return (
+        f"its kernels move the minimum ({moved:.1f} B/param by TorchInductor's count, "
+        f"{kernels}), {at_roof:.2f} ms at B\\*: the other {compiled.ms - at_roof:.2f} ms of "
+        f"its {compiled.ms:.2f} ms are not memory traffic (arithmetic in the kernels' loops, "
+        "or the fixed cost of a compiled call: dynamo's guards over every tensor and one "
+        "kernel call per tensor)"
+    )
+
+
+def goals(rows: list[Row], n: int) -> list[str]:
+    """The goals met and missed in one section, row by row, with the measured reason."""
+    lines = []
+    for row in rows:
+        by = {i.name: i for i in row.impls if not i.note}
+        if "compiled" not in by:
+            note = next(i.note for i in row.impls if i.name == "compiled")
+            lines.append(f"- {row.label}: not compiled ({note}).")
+            continue
+        c = by["compiled"]
+        share = gbps(row, c, n) / row.stream
+        met = share >= ROOF_GOAL
+        text = f"- {row.label}: compiled at {share:.0%} of B\\*"
+        text += " (goal met)" if met else f" (**goal of {ROOF_GOAL:.0%} missed**)"
+        if "torch fused" in by and row.label in GOAL_ROWS:
+            f = by["torch fused"]
+            ratio = c.ms / f.ms
+            text += f"; {ratio:.2f}x torch fused (goal ≤ {FUSED_GOAL}: "
+            text += "met)" if ratio <= FUSED_GOAL else "**missed**)"
+            if ratio > FUSED_GOAL:
+                met = False
+                text += f"; fused {f.ms:.2f} ms, {gbps(row, f, n) / row.stream:.0%} of B\\*"
+        lines.append(text + ("." if met else f": {why_slow(row, c, n)}."))
+    return lines
+
+
+def size_table(header: str, n: int, rows: list[Row]) -> list[str]:
+    out = [
+        "",
+        f"## {header}",
+        "",
+        "| optimizer | B\\* GB/s | implementation | ms [IQR] | min B/param | GB/s | of B\\* "
+        "| compiled ÷ this | compile s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        compiled = next((i for i in row.impls if i.name == "compiled" and not i.note), None)
+        for impl in row.impls:
+            cells = f"| {row.label} | {row.stream:.2f} " if impl is row.impls[0] else "| | "
+            if impl.note:
+                out.append(f"{cells}| {impl.name} | {impl.note} | | | | | |")
+                continue
+            rate = gbps(row, impl, n)
+            ratio = f"{compiled.ms / impl.ms:.2f}" if compiled and impl is not compiled else ""
+            comp = f"{row.compile_s:.1f} ({row.cached})" if impl.name == "compiled" else ""
+            out.append(
+                f"{cells}| {impl.name} | {impl.ms:.2f} [{impl.q[0]:.2f}–{impl.q[1]:.2f}] "
+                f"| {row.minimum:.4g} | {rate:.2f} | {rate / row.stream:.0%} | {ratio} | {comp} |"
+            )
+    return out + ["", *goals(rows, n)]
+
+
 def lab_table(rows: list[LabRow]) -> list[str]:
     out = [
         "",
-        "## Does it pay in the labs? Adam on the labs' models",
+        "## Does it pay in the labs?",
         "",
-        "Adam's step, eager foreach and compiled, on each profile's models (no cache flush: "
-        "a lab's state stays in the caches between steps); break-even: the steps after "
-        "which the time saved has repaid the compilation; a lab's steps: its optimizer "
-        "steps with that model at that profile.",
+        "Each lab run's optimizer, eager foreach and compiled, on the run's model at each "
+        "profile (`LAB_RUNS`; no cache flush: a lab's state stays in the caches between "
+        "steps). smoke and cpu: timed here. gpu: *estimated* (est.), the bytes per parameter "
+        "the eager step's operations move (`benchmarks.bandwidth.implemented_bytes_per_param`) "
+        f"and the compiled step's minimum, at {GPU_GBPS:.0f} GB/s (a T4, Colab's GPU; "
+        "neither path's fixed cost per call counted), and as compile time the fastest "
+        "compile measured in this section (a GPU compiles Triton kernels too: a lower bound). "
+        "Break-even: the steps after which the time saved has repaid the compilation; saved: "
+        "over the run's steps, less the compilation.",
         "",
-        "| profile | model | parameters | eager ms | compiled ms | compile s | break-even "
-        "steps | a lab's steps | pays? |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| lab run | profile | parameters (tensors) | optimizer | eager ms | compiled ms "
+        "| compile s | steps | break-even steps | saved s | pays? |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        est = " est." if r.estimated else ""
+        comp = f"≥ {r.compile_s:.1f}" if r.estimated else f"{r.compile_s:.1f} ({r.cached})"
         pays = "yes" if r.break_even < r.steps else "no"
         out.append(
-            f"| {r.profile} | {r.model} | {r.n:,} | {r.eager_ms:.3f} | {r.compiled_ms:.3f} "
-            f"| {r.compile_s:.1f} | {r.break_even:,.0f} | {r.steps:,} | {pays} |"
+            f"| {r.lab} | {r.profile} | {r.n:,} ({r.tensors}) | {r.optimizer} "
+            f"| {r.eager_ms:.3f}{est} | {r.compiled_ms:.3f}{est} | {comp} | {r.steps:,} "
+            f"| {r.break_even:,.0f} | {r.saved_s:,.1f} | {pays} |"
         )
+    gaining = [f"{r.lab} at {r.profile}" for r in rows if r.break_even < r.steps]
+    slower = sum(r.compiled_ms >= r.eager_ms for r in rows if not r.estimated)
+    timed = sum(not r.estimated for r in rows)
+    out += [
+        "",
+        (
+            "Runs that gain: " + "; ".join(gaining) + "."
+            if gaining
+            else f"No lab's run gains: the compiled step is slower than the eager one in "
+            f"{slower} of the {timed} timed rows (its fixed cost per call outweighs the "
+            "traffic a small model's step saves), and where it is faster the run's steps "
+            "save less than the compilation costs."
+        ),
+    ]
     return out
 
 
-def report(sections, cache, head, labs=()) -> str:
+def report(sections, listed, labs, cache, head) -> str:
     out = ["# The compiled path: every optimizer's update through torch.compile", "", *head, ""]
     out += [
         "ms: median step time [interquartile range], caches flushed before every step "
         "(backward not included; fixed gradients, warm state). GB/s: the step's *minimum* "
-        "bytes per parameter (`benchmarks.bandwidth.minimum_traffic`: each array read and "
-        "written once) / time; of B\\*: that as a fraction of B\\*, the streaming reference "
-        "(`_foreach_add_` over tensors shaped like the model) timed in the same rounds. "
-        "compiled ÷ fused: the ratio of the medians (goal ≤ "
-        f"{FUSED_GOAL}); compile: the compiled optimizer's first compiled step (tracing, "
-        "code generation, the C++ compiler; or the on-disk cache), not in its step time.",
+        "bytes per parameter (`benchmarks.bandwidth.minimum_bytes_per_param`: each array read "
+        "and written once) / time; of B\\*: that as a fraction of B\\*, the streaming "
+        "reference (`_foreach_add_` over tensors shaped like the model) timed in the same "
+        f"rounds (goal ≥ {ROOF_GOAL:.0%}). compiled ÷ this: the ratio of the medians (goal ≤ "
+        f"{FUSED_GOAL} against torch fused for {', '.join(GOAL_ROWS)}). compile s: the "
+        "compiled optimizer's first compiled step (tracing, TorchInductor's code generation, "
+        "the C++ compiler), kept out of its step time; *cold* when TorchInductor compiled "
+        "every graph, *cache* when its on-disk cache served them (a graph this machine "
+        "compiled before, in any process).",
     ]
     for header, n, rows in sections:
-        out += [
-            "",
-            f"## {header}",
-            "",
-            "| optimizer | B\\* GB/s | implementation | ms [IQR] | min B/param | GB/s | of B\\* "
-            "| compiled ÷ this | compile s |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for row in rows:
-            compiled = next((i for i in row.impls if i.name == "compiled" and not i.note), None)
-            for impl in row.impls:
-                first = impl is row.impls[0]
-                cells = f"| {row.label} | {row.stream:.2f} " if first else "| | "
-                if impl.note:
-                    out.append(f"{cells}| {impl.name} | {impl.note} | | | | | |")
-                    continue
-                rate = gbps(row, impl, n)
-                ratio = (
-                    f"{compiled.ms / impl.ms:.2f}"
-                    if compiled is not None and impl is not compiled
-                    else ""
-                )
-                comp = f"{row.compile_s:.1f}" if impl.name == "compiled" else ""
-                out.append(
-                    f"{cells}| {impl.name} | {impl.ms:.2f} [{impl.q[0]:.2f}–{impl.q[1]:.2f}] "
-                    f"| {row.minimum:g} | {rate:.2f} | {rate / row.stream:.0%} | {ratio} | {comp} |"
-                )
-        out += ["", *goals(rows, n)]
+        out += size_table(header, n, rows)
+    if listed:
+        out += ["", "## Optimizers not in the tables", ""]
+        out += [f"- {e.label}: {e.reason}." for e in listed]
     if labs:
         out += lab_table(labs)
     if cache is not None:
-        size, cold, warm = cache
+        size, ((cold, _, cold_miss), (warm, warm_hit, _)) = cache
         out += [
             "",
             "## The compile cache across processes",
             "",
             f"Adam's update on the {size} model, compiled in a fresh process with an empty "
-            f"TorchInductor cache: {cold:.1f} s; in a second fresh process with the cache the "
-            f"first left (TorchInductor's FX-graph cache, on disk): {warm:.1f} s "
-            f"({cold / warm:.1f}x faster). What remains is tracing the update (dynamo) and "
-            "loading the cached kernels.",
+            f"TorchInductor cache: {cold:.1f} s ({cold_miss} graphs compiled); in a second "
+            f"fresh process with the cache the first left on disk: {warm:.1f} s "
+            f"({warm_hit} graphs from the cache), {cold / warm:.1f}x faster. What remains is "
+            "tracing the update (dynamo) and loading the cached kernels.",
         ]
     return "\n".join(out) + "\n"
-
-
-def goals(rows, n) -> list[str]:
-    """The goals met and missed in one section, row by row."""
-    lines = []
-    for row in rows:
-        by = {i.name: i for i in row.impls if not i.note}
-        if "compiled" not in by:
-            lines.append(f"- {row.label}: not compiled ({row.impls[1].note}).")
-            continue
-        share = gbps(row, by["compiled"], n) / row.stream
-        text = f"- {row.label}: compiled at {share:.0%} of B\\*"
-        text += " (goal met)" if share >= ROOF_GOAL else " (**goal of 80% missed**)"
-        if "torch fused" in by:
-            ratio = by["compiled"].ms / by["torch fused"].ms
-            met = "met" if ratio <= FUSED_GOAL else "**missed**"
-            text += f"; {ratio:.2f}x torch fused (goal ≤ {FUSED_GOAL}: {met})"
-        lines.append(text + ".")
-    return lines
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -398,57 +679,68 @@ def main(argv: list[str] | None = None) -> str:
     add_device_options(parser)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per row")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds per row (default 2)")
-    parser.add_argument("--only", default=None, help="comma-separated lsdl_lab names")
+    parser.add_argument("--only", default=None, help="comma-separated optimizer names or labels")
     parser.add_argument(
         "--all-at",
         default=None,
-        help="sizes with every row (default: all); the others "
-        "run the rows with a torch fused kernel only (compiling every row at every size "
-        "takes long)",
+        help="sizes with every optimizer (default: every size); the others run the goal rows "
+        f"only ({', '.join(GOAL_ROWS)}): a cold compile takes minutes",
     )
+    parser.add_argument("--labs", default="smoke,cpu", help="profiles timed in the labs' table")
+    parser.add_argument("--no-labs", action="store_true", help="skip the labs' table")
     parser.add_argument("--cache-size", default="1M", help="model of the cache measurement")
     parser.add_argument("--no-cache", action="store_true", help="skip the cache measurement")
-    parser.add_argument("--no-labs", action="store_true", help="skip the labs' models")
-    parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a test")
+    parser.add_argument("--quick", action="store_true", help="SGD momentum, tiny: a test")
     parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT}")
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.rounds, args.no_cache = "tiny", args.rounds or 2, True
-        args.no_labs = True
+        args.sizes, args.rounds, args.no_cache, args.no_labs = "tiny", args.rounds or 2, True, True
+        args.only = args.only or "SGD momentum=0.9"
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    if not sizes or any(s not in optimizers.SIZES for s in sizes):
-        parser.error(f"Invalid --sizes {args.sizes!r} (choose from {', '.join(optimizers.SIZES)})")
-    only = None
+    all_at = sizes if args.all_at is None else [s.strip() for s in args.all_at.split(",")]
+    for flag, given in (("--sizes", sizes), ("--all-at", all_at)):
+        if not given and flag == "--sizes" or any(s not in optimizers.SIZES for s in given):
+            parser.error(f"Invalid {flag} {given} (choose from {', '.join(optimizers.SIZES)})")
+    labs = [s.strip() for s in args.labs.split(",") if s.strip()]
+    if any(s not in ("smoke", "cpu") for s in labs):
+        parser.error(f"Invalid --labs {args.labs!r} (choose from smoke, cpu; gpu is estimated)")
+    entries = book_rows()
     if args.only is not None:
         only = {s.strip() for s in args.only.split(",") if s.strip()}
-        known = {name for _, name, *_ in ROWS}
+        known = {e.name for e in entries} | {e.label for e in entries}
         if not only or only - known:
             parser.error(f"Invalid --only {sorted(only - known)} (choose from {sorted(known)})")
+        entries = [e for e in entries if e.name in only or e.label in only or e.reason]
+    timed = [e for e in entries if not e.reason]
     device, timer, head = device_setup(parser, args)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+    quiet_inductor_metrics()
     scratch = torch.ones(int(FLUSH_MB * 2**20 / 4) if not args.quick else 2**18, device=device)
 
     def flush():
         scratch.sum()
 
-    all_at = sizes if args.all_at is None else [s.strip() for s in args.all_at.split(",")]
-    sections = [benchmark_size(s, device, args.rounds, args.budget, timer, flush, only,
-                               goal_rows_only=s not in all_at)
-                for s in sizes]  # fmt: skip
-    labs = [] if args.no_labs else lab_profiles(device, timer, args.budget)
+    start = time.perf_counter()
+    sections = []
+    for s in sizes:
+        rows = timed if s in all_at else [e for e in timed if e.label in GOAL_ROWS]
+        sections.append(benchmark_size(s, device, args.rounds, args.budget, timer, flush, rows))
+    lab = [] if args.no_labs or device.type != "cpu" else lab_rows(labs, timer, args.budget)
     cache = None
     if not args.no_cache and device.type == "cpu":
-        cache = (args.cache_size, *cache_reuse(args.cache_size))
-        log(f"  cache: cold {cache[1]:.1f} s, warm {cache[2]:.1f} s")
+        cache = (args.cache_size, cache_reuse(args.cache_size))
+        log(f"  cache: {cache[1]}")
     head += [
         f"- load average at end: {load_average()}",
+        f"- run time: {(time.perf_counter() - start) / 60:.1f} min (compilations included)",
         "- timing: 2 untimed steps each (the first creates the state, the second compiles), "
         "then "
         + (f"{args.rounds} rounds" if args.rounds else f"{MIN_ROUNDS}–{MAX_ROUNDS} rounds")
-        + " per row, every implementation and B* once per round, the first alternating; "
-        f"a {FLUSH_MB} MiB read before every timed step",
+        + f" per row (a budget of {args.budget:g} s), every implementation and B* once per "
+        f"round, the first alternating; a {FLUSH_MB} MiB read before every timed step",
     ]
-    text = report(sections, cache, head, labs)
-    default = None if args.quick or only is not None else results_path(DEFAULT_OUT, device)
+    text = report(sections, [e for e in entries if e.reason], lab, cache, head)
+    default = None if args.quick or args.only is not None else results_path(DEFAULT_OUT, device)
     out = args.out if args.out is not None else default
     write_report(text, out, log)
     return text
