@@ -220,6 +220,21 @@ def inductor_counts() -> dict[str, int]:
     )
 
 
+class Deadline:
+    """A time budget in minutes from now (None: unlimited): a row or lab measurement that
+    would start after it is listed as not measured, with the reason, instead of run."""
+
+    def __init__(self, minutes: float | None):
+        self.minutes = minutes
+        self.end = math.inf if minutes is None else time.perf_counter() + 60 * minutes
+
+    def passed(self) -> bool:
+        return time.perf_counter() > self.end
+
+    def reason(self, what: str) -> str:
+        return f"not measured in this run: its {self.minutes:g}-minute budget for {what} was spent"
+
+
 @dataclass
 class Impl:
     name: str
@@ -242,8 +257,9 @@ class Row:
     rounds: int = 0
 
 
-def benchmark_size(size, device, rounds, budget, timer, flush, entries):
-    """The rows of ``entries`` on the model of ``size``: (header, parameters, rows)."""
+def benchmark_size(size, device, rounds, budget, timer, flush, entries, deadline, skipped):
+    """The rows of ``entries`` on the model of ``size``: (header, parameters, rows). A row
+    due after ``deadline`` is appended to ``skipped`` as (size, label) instead."""
     torch.manual_seed(0)
     params = [p.detach().to(device) for p in optimizers.SIZES[size][1]().parameters()]
     header = optimizers.describe(size, params)
@@ -267,6 +283,9 @@ def benchmark_size(size, device, rounds, budget, timer, flush, entries):
 
     rows = []
     for entry in entries:
+        if deadline.passed():
+            skipped.append((size, entry.label))
+            continue
         row = Row(
             entry.label, minimum_bytes(entry.name, entry.options, params), tensors=len(params)
         )
@@ -393,8 +412,9 @@ class LabRow:
     eager_ms: float = float("nan")
     compiled_ms: float = float("nan")
     compile_s: float = float("nan")
-    cached: str = ""
+    cached: str = ""  # "cold" or "cache"; "not measured" (then ``note`` says why)
     estimated: bool = False  # gpu: from bytes and an assumed bandwidth, not timed
+    note: str = ""
 
     @property
     def saved_s(self) -> float:
@@ -420,10 +440,11 @@ def lab_step(make, name, options, compile):
     return opt, params
 
 
-def lab_rows(profiles, timer, budget) -> list[LabRow]:
+def lab_rows(profiles, timer, budget, deadline) -> list[LabRow]:
     """Each lab run's optimizer step, eager and compiled, at the measured ``profiles``; its
     estimate at gpu. No cache flush: a lab's small state stays in the caches between steps.
-    A model and optimizer that several runs share is measured once."""
+    A model and optimizer that several runs share is measured once; a measurement due after
+    ``deadline`` is not made (the row's times stay NaN)."""
     rows, measured, compiles = [], {}, []
     for pname in [*profiles, "gpu"]:
         P = PROFILES[pname]
@@ -445,6 +466,8 @@ def lab_rows(profiles, timer, budget) -> list[LabRow]:
                 row.compile_s = min(compiles) if compiles else float("nan")
             elif key in measured:
                 row.eager_ms, row.compiled_ms, row.compile_s, row.cached = measured[key]
+            elif deadline.passed():
+                row.cached, row.note = "not measured", deadline.reason("the labs")
             else:
                 eager, _ = lab_step(make, name, options, False)
                 before = inductor_counts()
@@ -611,24 +634,29 @@ def lab_table(rows: list[LabRow]) -> list[str]:
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        if r.cached == "not measured":
+            out.append(f"| {r.lab} | {r.profile} | {r.n:,} ({r.tensors}) | {r.optimizer} | "
+                       f"not measured: {r.note} | | | {r.steps:,} | | | |")  # fmt: skip
+            continue
         est = " est." if r.estimated else ""
         comp = f"≥ {r.compile_s:.1f}" if r.estimated else f"{r.compile_s:.1f} ({r.cached})"
-        pays = "yes" if r.break_even < r.steps else "no"
+        pays = "—" if math.isnan(r.compile_s) else "yes" if r.break_even < r.steps else "no"
         out.append(
             f"| {r.lab} | {r.profile} | {r.n:,} ({r.tensors}) | {r.optimizer} "
             f"| {r.eager_ms:.3f}{est} | {r.compiled_ms:.3f}{est} | {comp} | {r.steps:,} "
             f"| {r.break_even:,.0f} | {r.saved_s:,.1f} | {pays} |"
         )
-    gaining = [f"{r.lab} at {r.profile}" for r in rows if r.break_even < r.steps]
-    slower = sum(r.compiled_ms >= r.eager_ms for r in rows if not r.estimated)
-    timed = sum(not r.estimated for r in rows)
+    done = [r for r in rows if r.cached != "not measured" and not math.isnan(r.compile_s)]
+    gaining = [f"{r.lab} at {r.profile}" for r in done if r.break_even < r.steps]
+    timed = [r for r in done if not r.estimated]
+    slower = sum(r.compiled_ms >= r.eager_ms for r in timed)
     out += [
         "",
         (
             "Runs that gain: " + "; ".join(gaining) + "."
             if gaining
             else f"No lab's run gains: the compiled step is slower than the eager one in "
-            f"{slower} of the {timed} timed rows (its fixed cost per call outweighs the "
+            f"{slower} of the {len(timed)} timed rows (its fixed cost per call outweighs the "
             "traffic a small model's step saves), and where it is faster the run's steps "
             "save less than the compilation costs."
         ),
@@ -636,7 +664,7 @@ def lab_table(rows: list[LabRow]) -> list[str]:
     return out
 
 
-def report(sections, listed, labs, cache, head) -> str:
+def report(sections, listed, labs, cache, head, skipped=(), skip_reason="") -> str:
     out = ["# The compiled path: every optimizer's update through torch.compile", "", *head, ""]
     out += [
         "ms: median step time [interquartile range], caches flushed before every step "
@@ -653,9 +681,14 @@ def report(sections, listed, labs, cache, head) -> str:
     ]
     for header, n, rows in sections:
         out += size_table(header, n, rows)
-    if listed:
+    if listed or skipped:
         out += ["", "## Optimizers not in the tables", ""]
         out += [f"- {e.label}: {e.reason}." for e in listed]
+        by_size = {}
+        for size, label in skipped:
+            by_size.setdefault(size, []).append(label)
+        out += [f"- at {size}: {', '.join(labels)}: {skip_reason}." for size, labels in
+                by_size.items()]  # fmt: skip
     if labs:
         out += lab_table(labs)
     if cache is not None:
@@ -686,7 +719,15 @@ def main(argv: list[str] | None = None) -> str:
         help="sizes with every optimizer (default: every size); the others run the goal rows "
         f"only ({', '.join(GOAL_ROWS)}): a cold compile takes minutes",
     )
-    parser.add_argument("--labs", default="smoke,cpu", help="profiles timed in the labs' table")
+    parser.add_argument(
+        "--rows-minutes",
+        type=float,
+        default=None,
+        help="time budget of the optimizer rows (the goal rows first); rows due later are "
+        "listed as not measured (default: none)",
+    )
+    parser.add_argument("--labs-minutes", type=float, default=None, help="the same, for the labs")
+    parser.add_argument("--labs", default="cpu,smoke", help="profiles timed in the labs' table")
     parser.add_argument("--no-labs", action="store_true", help="skip the labs' table")
     parser.add_argument("--cache-size", default="1M", help="model of the cache measurement")
     parser.add_argument("--no-cache", action="store_true", help="skip the cache measurement")
@@ -711,7 +752,8 @@ def main(argv: list[str] | None = None) -> str:
         if not only or only - known:
             parser.error(f"Invalid --only {sorted(only - known)} (choose from {sorted(known)})")
         entries = [e for e in entries if e.name in only or e.label in only or e.reason]
-    timed = [e for e in entries if not e.reason]
+    timed = [e for e in entries if not e.reason]  # the goal rows first: in any budget
+    timed.sort(key=lambda e: e.label not in GOAL_ROWS)
     device, timer, head = device_setup(parser, args)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
     quiet_inductor_metrics()
@@ -721,11 +763,17 @@ def main(argv: list[str] | None = None) -> str:
         scratch.sum()
 
     start = time.perf_counter()
-    sections = []
+    sections, skipped, deadline = [], [], Deadline(args.rows_minutes)
     for s in sizes:
         rows = timed if s in all_at else [e for e in timed if e.label in GOAL_ROWS]
-        sections.append(benchmark_size(s, device, args.rounds, args.budget, timer, flush, rows))
-    lab = [] if args.no_labs or device.type != "cpu" else lab_rows(labs, timer, args.budget)
+        size_rows = benchmark_size(
+            s, device, args.rounds, args.budget, timer, flush, rows, deadline, skipped
+        )
+        if size_rows[2]:
+            sections.append(size_rows)
+    lab = []
+    if not args.no_labs and device.type == "cpu":
+        lab = lab_rows(labs, timer, args.budget, Deadline(args.labs_minutes))
     cache = None
     if not args.no_cache and device.type == "cpu":
         cache = (args.cache_size, cache_reuse(args.cache_size))
@@ -739,7 +787,11 @@ def main(argv: list[str] | None = None) -> str:
         + f" per row (a budget of {args.budget:g} s), every implementation and B* once per "
         f"round, the first alternating; a {FLUSH_MB} MiB read before every timed step",
     ]
-    text = report(sections, [e for e in entries if e.reason], lab, cache, head)
+    reason = deadline.reason("the optimizer rows") if skipped else ""
+    colds = sorted(r.compile_s for _, _, rows in sections for r in rows if r.cached == "cold")
+    if skipped and colds:
+        reason += f" (a cold compile took {colds[0]:.0f}–{colds[-1]:.0f} s in this run)"
+    text = report(sections, [e for e in entries if e.reason], lab, cache, head, skipped, reason)
     default = None if args.quick or args.only is not None else results_path(DEFAULT_OUT, device)
     out = args.out if args.out is not None else default
     write_report(text, out, log)
