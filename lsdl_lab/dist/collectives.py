@@ -42,6 +42,12 @@ __all__ = [
 ]
 
 
+# A receive matches only a message with its tag, so the all-gather's receives (tag 1) can be
+# posted while the reduce-scatter's messages (tag 0) are still on their way. gloo honours
+# tags; NCCL ignores them.
+_GATHER_TAG = 1
+
+
 def _rank_and_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
@@ -93,6 +99,39 @@ def _ring_all_gather(chunks: list[torch.Tensor], group) -> None:
         _exchange(chunks[(r - s) % p], (r + 1) % p, chunks[(r - s - 1) % p], (r - 1) % p, group)
 
 
+def _post_all_gather(chunks: list[torch.Tensor], group) -> list:
+    """Post every receive of the all-gather at once; return them in step order.
+
+    At step s rank r receives chunk r-s-1 from rank r-1 (``None``: an empty chunk). Posting
+    them before the reduce-scatter is safe: the summed chunk can reach rank r only after r
+    has passed on its own partial sum of that chunk. It is also faster on gloo (measured,
+    benchmarks/README.md): a send that finds its receive already posted is written at
+    once by the sending thread; one that does not waits for the receiver's notice and is
+    then written by gloo's event-loop thread, one more hand-off between threads.
+    """
+    r, p = _rank_and_size(group)
+    return [
+        dist.irecv(c, group=group, group_src=(r - 1) % p, tag=_GATHER_TAG) if c.numel() else None
+        for c in (chunks[(r - s - 1) % p] for s in range(p - 1))
+    ]
+
+
+def _ring_all_gather_posted(chunks: list[torch.Tensor], receives: list, group) -> None:
+    """The all-gather of :func:`_ring_all_gather` with its receives already posted
+    (:func:`_post_all_gather`): at step s rank r sends the chunk it received at step s-1."""
+    r, p = _rank_and_size(group)
+    sends = []
+    for s in range(p - 1):
+        if s and receives[s - 1] is not None:
+            receives[s - 1].wait()
+        chunk = chunks[(r - s) % p]
+        if chunk.numel():
+            sends.append(dist.isend(chunk, group=group, group_dst=(r + 1) % p, tag=_GATHER_TAG))
+    for work in sends + receives[-1:]:
+        if work is not None:
+            work.wait()
+
+
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the ranks, in place, by the ring algorithm; returns ``tensor``.
 
@@ -100,12 +139,19 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     fewer than p entries). A reduce-scatter leaves on rank r the sum of chunk r; an
     all-gather then copies every summed chunk to every rank (Patarasuk & Yuan 2009). Each
     rank sends 2(p-1) messages of n/p entries: 2(p-1)/p n in all, which is within a factor
-    (p-1)/p of the least any all-reduce must send, whatever p.
+    (p-1)/p of the least any all-reduce must send, whatever p. On gloo the all-gather's
+    receives are posted first (:func:`_post_all_gather`); NCCL, which has no tags and needs
+    each send paired with its receive in one batch, runs the two phases one after the other.
     """
     _contiguous("tensor", tensor)
     chunks = list(torch.tensor_split(tensor.view(-1), dist.get_world_size(group)))
+    if dist.get_backend(group) != dist.Backend.GLOO:
+        _ring_reduce_scatter(chunks, group)
+        _ring_all_gather(chunks, group)
+        return tensor
+    receives = _post_all_gather(chunks, group)
     _ring_reduce_scatter(chunks, group)
-    _ring_all_gather(chunks, group)
+    _ring_all_gather_posted(chunks, receives, group)
     return tensor
 
 

@@ -119,6 +119,22 @@ def all_reduce_report(rank, world_size, group=None, ranks=None, ns=None):
     return report
 
 
+def untagged_ring_report(rank, world_size):
+    """The ring as it runs on a backend without message tags (NCCL: the two phases one
+    after the other, each send batched with its receive), run here on gloo by making
+    ``get_backend`` answer "nccl": whether it sums exactly, and its digests."""
+    from unittest import mock
+
+    report = {}
+    with mock.patch.object(dist, "get_backend", return_value=dist.Backend.NCCL):
+        for n in SMALL_SIZES + (world_size,):
+            ints = _inputs(rank, n, torch.int64)
+            ring_all_reduce(ints)
+            exact = sum(_inputs(i, n, torch.int64) for i in range(world_size))
+            report[n] = (torch.equal(ints, exact), _digest(ints))
+    return report
+
+
 def subgroup_report(rank, world_size):
     """The all-reduces on a group of ranks 1 and 3 (group ranks 0 and 1): peers must be
     addressed by their rank in the group."""

@@ -23,7 +23,11 @@ FLOAT64_ROUNDING = 1e-13  # a few ulps of float64, relative to the largest entry
 def world(request):
     """(W, each rank's reports): one spawn per world size for all the checks."""
     w = request.param
-    checks = [dist_workers.all_reduce_report, dist_workers.gather_scatter_report]
+    checks = [
+        dist_workers.all_reduce_report,
+        dist_workers.gather_scatter_report,
+        dist_workers.untagged_ring_report,
+    ]
     if w >= 3:
         checks.append(dist_workers.subgroup_report)
     return w, spawn(call_each, w, checks, timeout=60)
@@ -59,13 +63,23 @@ def test_all_gather_and_reduce_scatter_match_the_builtins(world):
             assert r["inputs_unchanged"], where
 
 
+def test_the_ring_without_tags_sums_too(world):
+    w, reports = world
+    first = reports[0][2]
+    assert set(first) == set(dist_workers.SMALL_SIZES + (w,))
+    for rank, (_, _, report, *_) in enumerate(reports):
+        for n, (exact, digest) in report.items():
+            assert exact, f"W={w}, n={n}, rank {rank}"
+            assert digest == first[n][1], f"W={w}, n={n}: rank {rank} differs from rank 0"
+
+
 def test_all_reduce_on_a_subgroup(world):
     w, reports = world
     if w < 3:
         pytest.skip("a proper subgroup needs 3 ranks")
     members = [1, w - 1]
-    subreports = [reports[rank][2] for rank in members]
-    assert all(reports[rank][2] is None for rank in range(w) if rank not in members)
+    subreports = [reports[rank][3] for rank in members]
+    assert all(reports[rank][3] is None for rank in range(w) if rank not in members)
     for report in subreports:
         assert {n for _, n in report} == set(dist_workers.SMALL_SIZES)
         assert all(r["int_exact"] and r["error_vs_sum"] < FLOAT64_ROUNDING for r in report.values())
