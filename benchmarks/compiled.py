@@ -413,11 +413,16 @@ class LabRow:
     optimizer: str
     steps: int
     eager_ms: float = float("nan")
-    compiled_ms: float = float("nan")
+    compiled_ms: float = float("nan")  # NaN: not compiled (then ``floor`` decides)
     compile_s: float = float("nan")
-    cached: str = ""  # "cold" or "cache"; "not measured" (then ``note`` says why)
+    cached: str = ""  # "cold" or "cache": how the compile was served
     estimated: bool = False  # gpu: from bytes and an assumed bandwidth, not timed
-    note: str = ""
+    floor: float = float("nan")  # seconds: the fastest compile measured in this run
+
+    @property
+    def eager_run_s(self) -> float:
+        """Seconds of the run's optimizer steps on the eager path."""
+        return self.steps * self.eager_ms / 1e3
 
     @property
     def saved_s(self) -> float:
@@ -429,6 +434,17 @@ class LabRow:
         """Steps after which the compiled path has repaid its compilation."""
         saved = (self.eager_ms - self.compiled_ms) / 1e3
         return self.compile_s / saved if saved > 0 else float("inf")
+
+    @property
+    def verdict(self) -> str:
+        """Whether compiling pays for the run: from the timed compiled step where there is
+        one; else "no" when the whole run's eager steps take less than the fastest compile
+        of this run (no compiled step, however fast, can then repay its compilation)."""
+        if not math.isnan(self.compiled_ms) and not math.isnan(self.compile_s):
+            return "yes" if self.break_even < self.steps else "no"
+        if self.eager_run_s < self.floor:
+            return "no (bound)"
+        return "unknown"
 
 
 def lab_step(make, name, options, compile):
@@ -443,56 +459,64 @@ def lab_step(make, name, options, compile):
     return opt, params
 
 
-def lab_rows(profiles, timer, budget, deadline) -> list[LabRow]:
-    """Each lab run's optimizer step, eager and compiled, at the measured ``profiles``; its
-    estimate at gpu. No cache flush: a lab's small state stays in the caches between steps.
-    A model and optimizer that several runs share is measured once; a measurement due after
-    ``deadline`` is not made (the row's times stay NaN)."""
-    rows, measured, compiles = [], {}, []
+def time_steps(fns, timer, budget) -> dict[str, float]:
+    """Median milliseconds of each step of ``fns``, interleaved, for about ``budget`` s."""
+    t0 = timer()
+    compare(fns, repeats=1, warmup=1, timer=timer)
+    repeats = int(min(max(budget / (timer() - t0), MIN_ROUNDS), 200))
+    result = compare(fns, repeats, timer=timer)
+    return {name: 1e3 * result.median(name) for name in fns}
+
+
+def lab_rows(profiles, timer, budget, deadline, compiles) -> list[LabRow]:
+    """Each lab run's optimizer step at the timed ``profiles`` (eager always; compiled and
+    its compilation while ``deadline`` allows, largest models first) and its estimate at
+    gpu. ``compiles``: compile times measured earlier in this run, for the lower bound. No
+    cache flush: a lab's small state stays in the caches between steps. A model and
+    optimizer that several runs share is measured once."""
+    runs = []
     for pname in [*profiles, "gpu"]:
         P = PROFILES[pname]
         d = profile_data(P)
         for lab, model, (name, options), steps in LAB_RUNS:
             make = functools.partial(model, P, d)
             probe = make()
-            n = sum(p.numel() for p in probe.parameters())
-            tensors = len(list(probe.parameters()))
-            row = LabRow(lab, pname, n, tensors, name, steps(P, d))
-            key = (pname, repr(probe), name)
-            if pname == "gpu":
-                row.estimated = True
-                opt, params = lab_step(make, name, options, False)
-                eager_b = implemented_bytes_per_param(opt.step, n)
-                row.eager_ms = eager_b * n / GPU_GBPS / 1e6
-                row.compiled_ms = minimum_bytes(name, options, params) * n / GPU_GBPS / 1e6
-                # a lower bound: the fastest compile measured here (a GPU's adds Triton's)
-                row.compile_s = min(compiles) if compiles else float("nan")
-            elif key in measured:
-                row.eager_ms, row.compiled_ms, row.compile_s, row.cached = measured[key]
-            elif deadline.passed():
-                row.cached, row.note = "not measured", deadline.reason("the labs")
-            else:
-                eager, _ = lab_step(make, name, options, False)
-                before = inductor_counts()
-                compiled, _ = lab_step(make, name, options, True)
-                compiled.step()  # compiles
-                hits = inductor_counts()["hits"] - before["hits"]
-                row.cached = "cache" if hits else "cold"
-                row.compile_s = compiled.compiled.compile_seconds
-                fns = {"eager": eager.step, "compiled": compiled.step}
-                t0 = timer()
-                compare(fns, repeats=1, warmup=1, timer=timer)
-                repeats = int(min(max(budget / (timer() - t0), MIN_ROUNDS), 200))
-                result = compare(fns, repeats, timer=timer)
-                row.eager_ms = 1e3 * result.median("eager")
-                row.compiled_ms = 1e3 * result.median("compiled")
-                measured[key] = (row.eager_ms, row.compiled_ms, row.compile_s, row.cached)
-                compiles.append(row.compile_s)
-            log(f"  {lab} at {pname}: {n:,} parameters, eager {row.eager_ms:.3f} ms, "
-                f"compiled {row.compiled_ms:.3f} ms, compile {row.compile_s:.1f} s, "
-                f"{row.steps} steps")  # fmt: skip
-            rows.append(row)
-    return rows
+            params = list(probe.parameters())
+            row = LabRow(lab, pname, sum(p.numel() for p in params), len(params), name,
+                         steps(P, d))  # fmt: skip
+            runs.append((row, make, options, (pname, repr(probe), name)))
+    measured = {}
+    timed = [r for r in runs if r[0].profile != "gpu"]
+    for row, make, options, key in sorted(timed, key=lambda r: -r[0].n):
+        if key in measured:
+            continue
+        eager, _ = lab_step(make, row.optimizer, options, False)
+        fns = {"eager": eager.step}
+        compile_s, cached = float("nan"), ""
+        if not deadline.passed():
+            before = inductor_counts()
+            compiled, _ = lab_step(make, row.optimizer, options, True)
+            compiled.step()  # compiles
+            cached = "cache" if inductor_counts()["hits"] > before["hits"] else "cold"
+            compile_s = compiled.compiled.compile_seconds
+            compiles.append(compile_s)
+            fns["compiled"] = compiled.step
+        ms = time_steps(fns, timer, budget)
+        measured[key] = (ms["eager"], ms.get("compiled", float("nan")), compile_s, cached)
+        log(f"  {row.lab} at {row.profile}: {row.n:,} parameters, {ms} ms, compile "
+            f"{compile_s:.1f} s ({cached or 'not compiled: the budget'})")  # fmt: skip
+    floor = min((c for c in compiles if c > 0), default=float("nan"))
+    for row, make, options, key in runs:
+        row.floor = floor
+        if row.profile != "gpu":
+            row.eager_ms, row.compiled_ms, row.compile_s, row.cached = measured[key]
+            continue
+        row.estimated = True
+        opt, params = lab_step(make, row.optimizer, options, False)
+        row.eager_ms = implemented_bytes_per_param(opt.step, row.n) * row.n / GPU_GBPS / 1e6
+        row.compiled_ms = minimum_bytes(row.optimizer, options, params) * row.n / GPU_GBPS / 1e6
+        row.compile_s = floor  # a lower bound: a GPU's compile adds Triton's
+    return [r[0] for r in runs]
 
 
 # --- the compile cache across processes -----------------------------------------------------
@@ -618,53 +642,64 @@ def size_table(header: str, n: int, rows: list[Row]) -> list[str]:
 
 
 def lab_table(rows: list[LabRow]) -> list[str]:
+    floor = next((r.floor for r in rows), float("nan"))
     out = [
         "",
         "## Does it pay in the labs?",
         "",
-        "Each lab run's optimizer, eager foreach and compiled, on the run's model at each "
-        "profile (`LAB_RUNS`; no cache flush: a lab's state stays in the caches between "
-        "steps). smoke and cpu: timed here. gpu: *estimated* (est.), the bytes per parameter "
-        "the eager step's operations move (`benchmarks.bandwidth.implemented_bytes_per_param`) "
+        "Each lab run's optimizer (`LAB_RUNS`: the model and optimizer the notebook builds at "
+        "that profile, and the optimizer steps of one run) with fixed gradients, no cache "
+        "flush (a lab's state stays in the caches between steps). smoke and cpu: timed here, "
+        "eager always, compiled (and its compilation) for the largest models while the "
+        "labs' time budget lasted. gpu: *estimated* (est.): the bytes per parameter the "
+        "eager step's operations move (`benchmarks.bandwidth.implemented_bytes_per_param`) "
         f"and the compiled step's minimum, at {GPU_GBPS:.0f} GB/s (a T4, Colab's GPU; "
-        "neither path's fixed cost per call counted), and as compile time the fastest "
-        "compile measured in this section (a GPU compiles Triton kernels too: a lower bound). "
-        "Break-even: the steps after which the time saved has repaid the compilation; saved: "
-        "over the run's steps, less the compilation.",
+        "neither path's fixed cost per call counted). Compile s at gpu, and the bound: the "
+        f"fastest compile measured in this run, {floor:.1f} s (a lower bound for any "
+        "other). pays?: *yes* when the run's steps pass the break-even (the steps after "
+        "which the time saved has repaid the compilation); *no (bound)* when the run's "
+        "eager steps take less in all than that fastest compile, so that no compiled step, "
+        "however fast, could repay it. saved s: over the run, less the compilation.",
         "",
         "| lab run | profile | parameters (tensors) | optimizer | eager ms | compiled ms "
-        "| compile s | steps | break-even steps | saved s | pays? |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| compile s | steps | eager run s | break-even steps | saved s | pays? |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        if r.cached == "not measured":
-            out.append(f"| {r.lab} | {r.profile} | {r.n:,} ({r.tensors}) | {r.optimizer} | "
-                       f"not measured: {r.note} | | | {r.steps:,} | | | |")  # fmt: skip
-            continue
         est = " est." if r.estimated else ""
-        comp = f"≥ {r.compile_s:.1f}" if r.estimated else f"{r.compile_s:.1f} ({r.cached})"
-        pays = "—" if math.isnan(r.compile_s) else "yes" if r.break_even < r.steps else "no"
+        compiled = not math.isnan(r.compiled_ms)
+        comp = (
+            f"≥ {r.compile_s:.1f}"
+            if r.estimated
+            else f"{r.compile_s:.1f} ({r.cached})"
+            if compiled
+            else "not compiled"
+        )
         out.append(
             f"| {r.lab} | {r.profile} | {r.n:,} ({r.tensors}) | {r.optimizer} "
-            f"| {r.eager_ms:.3f}{est} | {r.compiled_ms:.3f}{est} | {comp} | {r.steps:,} "
-            f"| {r.break_even:,.0f} | {r.saved_s:,.1f} | {pays} |"
+            f"| {r.eager_ms:.3f}{est} | "
+            + (f"{r.compiled_ms:.3f}{est}" if compiled else "")
+            + f" | {comp} | {r.steps:,} | {r.eager_run_s:.2f}{est} | "
+            + (f"{r.break_even:,.0f} | {r.saved_s:,.1f}" if compiled else " | ")
+            + f" | {r.verdict} |"
         )
-    done = [r for r in rows if r.cached != "not measured" and not math.isnan(r.compile_s)]
-    gaining = [f"{r.lab} at {r.profile}" for r in done if r.break_even < r.steps]
-    timed = [r for r in done if not r.estimated]
+    gaining = [f"{r.lab} at {r.profile}" for r in rows if r.verdict == "yes"]
+    unknown = [f"{r.lab} at {r.profile}" for r in rows if r.verdict == "unknown"]
+    timed = [r for r in rows if not r.estimated and not math.isnan(r.compiled_ms)]
     slower = sum(r.compiled_ms >= r.eager_ms for r in timed)
-    out += [
-        "",
-        (
-            "Runs that gain: " + "; ".join(gaining) + "."
-            if gaining
-            else f"No lab's run gains: the compiled step is slower than the eager one in "
-            f"{slower} of the {len(timed)} timed rows (its fixed cost per call outweighs the "
-            "traffic a small model's step saves), and where it is faster the run's steps "
-            "save less than the compilation costs."
-        ),
-    ]
-    return out
+    if gaining:
+        text = "Runs that gain: " + "; ".join(gaining) + "."
+    else:
+        text = (
+            f"No lab's run gains: the compiled step was slower than the eager one in {slower} "
+            f"of the {len(timed)} models compiled (its fixed cost per call outweighs the "
+            "traffic a small model's step saves), and where it is faster, or where the run "
+            "was not compiled, the run's steps save less than a compilation costs."
+        )
+    if unknown:
+        text += " Undecided (not compiled, and the bound does not settle it): "
+        text += "; ".join(unknown) + "."
+    return out + ["", text]
 
 
 def report(sections, listed, labs, cache, head, skipped=(), skip_reason="") -> str:
@@ -774,13 +809,15 @@ def main(argv: list[str] | None = None) -> str:
         )
         if size_rows[2]:
             sections.append(size_rows)
-    lab = []
-    if not args.no_labs and device.type == "cpu":
-        lab = lab_rows(labs, timer, args.budget, Deadline(args.labs_minutes))
     cache = None
     if not args.no_cache and device.type == "cpu":
         cache = (args.cache_size, cache_reuse(args.cache_size))
         log(f"  cache: {cache[1]}")
+    lab = []
+    if not args.no_labs and device.type == "cpu":
+        compiles = [r.compile_s for _, _, rows in sections for r in rows]
+        compiles += [seconds for seconds, _, _ in cache[1]] if cache else []
+        lab = lab_rows(labs, timer, args.budget, Deadline(args.labs_minutes), compiles)
     head += [
         f"- load average at end: {load_average()}",
         f"- run time: {(time.perf_counter() - start) / 60:.1f} min (compilations included)",

@@ -89,12 +89,21 @@ def test_lab_table_says_a_run_pays_only_past_its_break_even():
     assert faster.saved_s == pytest.approx(-9.0)
     text = "\n".join(compiled.lab_table([slower, faster]))
     assert text.count("| no |") == 2
-    assert "No lab's run gains: the compiled step is slower than the eager one in 1 of the 2" in (
+    assert "No lab's run gains: the compiled step was slower than the eager one in 1 of the 2" in (
         text
     )
     long_run = lab_row(20_000, 2.0, 1.0, 10.0)
     text = "\n".join(compiled.lab_table([slower, long_run]))
     assert "| yes |" in text and "Runs that gain: Lab 0, a run at cpu." in text
+
+
+def test_an_uncompiled_run_is_decided_by_the_fastest_compile():
+    short = lab_row(100, 0.1, float("nan"), float("nan"))  # 10 ms of eager steps in all
+    short.floor = 5.0
+    assert short.eager_run_s == pytest.approx(0.01) and short.verdict == "no (bound)"
+    short.floor = 0.001  # a compile faster than the whole run: the bound cannot say
+    assert short.verdict == "unknown"
+    assert "Undecided (not compiled" in "\n".join(compiled.lab_table([short]))
 
 
 def test_quick_run_times_every_implementation_and_states_the_goals(monkeypatch, tmp_path):
