@@ -110,7 +110,8 @@ ALL_REDUCES = {
 
 def all_reduce_worker(rank: int, world_size: int, sizes: list[int], repeats: int, warmup: int):
     """One rank: for each size, every all-reduce of :data:`ALL_REDUCES` in rounds; checks
-    that each sums correctly first (a fast wrong answer is no result)."""
+    that each sums correctly first (a fast wrong answer is no result). Per size, the wall
+    and the CPU seconds (:func:`world_compare`) of each call."""
     out = {}
     for n in sizes:
         x = torch.empty(n)
@@ -120,7 +121,9 @@ def all_reduce_worker(rank: int, world_size: int, sizes: list[int], repeats: int
             if not torch.all(x == world_size * (world_size + 1) / 2):
                 raise AssertionError(f"{name} all-reduce of {n} floats gave a wrong sum")
         fns = {name: (lambda fn=fn, x=x: fn(x)) for name, fn in ALL_REDUCES.items()}
-        out[n] = world_compare(fns, repeats, warmup, setup=lambda x=x: x.fill_(rank + 1.0))
+        cpu: dict[str, list[float]] = {}
+        wall = world_compare(fns, repeats, warmup, setup=lambda x=x: x.fill_(rank + 1.0), cpu=cpu)
+        out[n] = (wall, cpu)
     return out
 
 
@@ -129,6 +132,7 @@ class ReduceRow:
     n: int
     ms: dict[str, float]  # median per implementation
     best_ms: dict[str, float]  # minimum
+    cpu_ms: dict[str, float]  # median CPU time of the slower rank's process, all its threads
     ratio: dict[str, tuple[float, float, float]]  # built-in / impl per round: q1, median, q3
     repeats: int
 
@@ -140,7 +144,7 @@ def all_reduce_rows(sizes: list[int], repeats: int, warmup: int) -> list[ReduceR
 
     per_rank = spawn(worker, WORLD, list(sizes), repeats, warmup)
     rows = []
-    for n, times in per_rank[0].items():  # every rank holds the same maxima
+    for n, (times, cpu) in per_rank[0].items():  # every rank holds the same maxima
         ratio = {
             name: quartiles([b / a for a, b in zip(ts, times["built-in"], strict=True)])
             for name, ts in times.items()
@@ -150,6 +154,7 @@ def all_reduce_rows(sizes: list[int], repeats: int, warmup: int) -> list[ReduceR
                 n,
                 {k: 1e3 * statistics.median(v) for k, v in times.items()},
                 {k: 1e3 * min(v) for k, v in times.items()},
+                {k: 1e3 * statistics.median(v) for k, v in cpu.items()},
                 ratio,
                 repeats,
             )
@@ -286,11 +291,14 @@ def table(
         "",
         "ms: median [minimum] of the slower rank's wall-clock time per call, after a barrier. "
         "× built-in: throughput against `dist.all_reduce`, i.e. its time / ours per round "
-        f"(median [IQR]); the goal is ring >= {GOAL} from {GOAL_FROM:.0e} floats on.",
+        f"(median [IQR]); the goal is ring >= {GOAL} from {GOAL_FROM:.0e} floats on. "
+        "CPU ms: median CPU time per call of the busier rank's process, every thread "
+        "(gloo's event loop and workers too), which the wall clock's waits leave out.",
         "",
         "| floats | ring ms | tree ms | built-in ms | ring × built-in [IQR] "
-        "| tree × built-in [IQR] | ring GB/s | built-in GB/s | goal | rounds |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| tree × built-in [IQR] | ring GB/s | built-in GB/s | goal "
+        "| ring CPU ms | built-in CPU ms | rounds |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in reduce_rows:
         gbs = {k: 4 * r.n / (v * 1e-3) / 1e9 for k, v in r.ms.items()}
@@ -302,7 +310,8 @@ def table(
             f"| {r.ms['built-in']:.2f} [{r.best_ms['built-in']:.2f}] "
             f"| {ring[1]:.2f} [{ring[0]:.2f}–{ring[2]:.2f}] "
             f"| {tree[1]:.2f} [{tree[0]:.2f}–{tree[2]:.2f}] "
-            f"| {gbs['ring']:.2f} | {gbs['built-in']:.2f} | {goal} | {r.repeats} |"
+            f"| {gbs['ring']:.2f} | {gbs['built-in']:.2f} | {goal} "
+            f"| {r.cpu_ms['ring']:.2f} | {r.cpu_ms['built-in']:.2f} | {r.repeats} |"
         )
     out += [
         "",
@@ -337,7 +346,7 @@ def parse_sizes(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.communication", description=__doc__)
     parser.add_argument("--sizes", default="1e5,1e6,1e7", help="floats per all-reduce")
-    parser.add_argument("--repeats", type=int, default=15, help="all-reduce rounds per size")
+    parser.add_argument("--repeats", type=int, default=41, help="all-reduce rounds per size")
     parser.add_argument("--side", type=int, default=1024, help="the gradient is side x side")
     parser.add_argument("--codec-repeats", type=int, default=15, help="compression rounds")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
