@@ -690,12 +690,16 @@ def lab_table(rows: list[LabRow]) -> list[str]:
     if gaining:
         text = "Runs that gain: " + "; ".join(gaining) + "."
     else:
-        text = (
-            f"No lab's run gains: the compiled step was slower than the eager one in {slower} "
-            f"of the {len(timed)} models compiled (its fixed cost per call outweighs the "
-            "traffic a small model's step saves), and where it is faster, or where the run "
-            "was not compiled, the run's steps save less than a compilation costs."
-        )
+        text = "No lab's run gains: "
+        if timed:
+            text += (
+                f"the compiled step was slower than the eager one in {slower} of the "
+                f"{len(timed)} models compiled (its fixed cost per call outweighs the traffic "
+                "a small model's step saves), and where it is faster, or where the run was "
+            )
+        else:
+            text += "where the run was "
+        text += "not compiled, the run's steps save less than a compilation costs."
     if unknown:
         text += " Undecided (not compiled, and the bound does not settle it): "
         text += "; ".join(unknown) + "."
