@@ -136,6 +136,7 @@ def test_a_cell_that_raises_fails_the_build(tmp_path):
     assert "this cell fails" in proc.stdout + proc.stderr
 
 
+@functools.cache
 def repository_blob():
     """``<repository url>/blob/<branch>/``, from _config.yml: a file of the repository on
     GitHub, where the labs link the book's pages and the benchmarks' results."""
