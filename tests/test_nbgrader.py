@@ -7,10 +7,12 @@ version full marks.
 Autograding the instructor's version is also the labs' run at ``LSDL_SCALE=smoke`` in the
 suite (it replaces nbval over ``labs/``): every code cell of every lab must run without an
 error (a failure shows the cell and its traceback), and the lab's kernel must stay within
-:data:`SMOKE_BUDGET` seconds of CPU time. nbgrader's executor (nbclient) starts the kernel
-with this process's environment, which :func:`nbgrader` sets: ``LSDL_SCALE=smoke``, one
-torch thread, no progress bars, and a cell timeout of 600 s in the course's configuration
-(nbgrader's default, 30 s, is too short for a lab's training cells at ``cpu``).
+:data:`SMOKE_BUDGET` seconds of CPU time (its own: the ranks of Labs 7 and 9's process
+groups are forked by multiprocessing's forkserver, not by the kernel, and are not counted).
+nbgrader's executor (nbclient) starts the kernel with this process's environment, which
+:func:`nbgrader` sets: ``LSDL_SCALE=smoke``, one torch thread, no progress bars; the
+course's configuration raises the cell timeout to 600 s (nbgrader's default, 30 s, is too
+short for a lab's training cells at ``cpu``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import nbformat
 import pytest
@@ -174,66 +177,95 @@ def grades(course: Path, assignment: str, notebook: str, student: str) -> dict[s
         return {grade.name: (grade.score, grade.max_score) for grade in graded.grades}
 
 
-@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
-def test_lab_under_nbgrader(lab, tmp_path):
-    course, assignment = make_course(tmp_path / "course", lab)
-    source = nbformat.read(lab, as_version=4)
-    graded_cells = [cell for cell in source.cells if cell.metadata.get("nbgrader", {}).get("grade")]
-    checkers = {
-        cell.metadata["nbgrader"]["grade_id"]: cell.metadata["nbgrader"]["points"]
-        for cell in graded_cells
-        if cell.cell_type == "code"
-    }
-    # Markdown model answers are manually graded: nbgrader keeps their points for a person.
-    answers = {
-        cell.metadata["nbgrader"]["grade_id"]: cell.metadata["nbgrader"]["points"]
-        for cell in graded_cells
-        if cell.cell_type == "markdown"
-    }
-    assert checkers, f"{lab.name} has no autograded cell"
+class Graded(NamedTuple):
+    """One lab through nbgrader: released, then autograded as released and as written."""
 
-    # The released version: no solution, and what lsdl-student gives, but for the stubs.
+    lab: Path
+    course: Path
+    assignment: str
+    source: nbformat.NotebookNode
+    checkers: dict[str, float]  # grade id: points, of the code exercises' checker cells
+    answers: dict[str, float]  # the same of the Markdown answers, graded by hand
+
+    def autograded(self, student: str) -> nbformat.NotebookNode:
+        path = self.course / "autograded" / student / self.assignment / self.lab.name
+        return nbformat.read(path, as_version=4)
+
+    def grades(self, student: str) -> dict[str, tuple[float, float]]:
+        return grades(self.course, self.assignment, self.lab.stem, student)
+
+
+# One course per lab for the four tests below: the lab is executed twice in all, as released
+# and as written.
+@pytest.fixture(scope="module", params=LABS, ids=lambda p: p.stem)
+def graded(request, tmp_path_factory) -> Graded:
+    lab = request.param
+    course, assignment = make_course(tmp_path_factory.mktemp(lab.stem) / "course", lab)
+    source = nbformat.read(lab, as_version=4)
+    points = {
+        kind: {
+            cell.metadata["nbgrader"]["grade_id"]: cell.metadata["nbgrader"]["points"]
+            for cell in source.cells
+            if cell.metadata.get("nbgrader", {}).get("grade") and cell.cell_type == kind
+        }
+        for kind in ("code", "markdown")
+    }
+    assert points["code"], f"{lab.name} has no autograded cell"
     nbgrader(course, "generate_assignment", assignment)
-    released_path = course / "release" / assignment / lab.name
-    released = nbformat.read(released_path, as_version=4)
+    submit(course, "blank", assignment, course / "release" / assignment / lab.name)
+    submit(course, "solver", assignment, lab)
+    nbgrader(course, "autograde", assignment)
+    return Graded(lab, course, assignment, source, points["code"], points["markdown"])
+
+
+def test_released_version_is_lsdl_students(graded, tmp_path):
+    # No solution, and what lsdl-student gives, but for the stubs.
+    released = nbformat.read(
+        graded.course / "release" / graded.assignment / graded.lab.name, as_version=4
+    )
     assert find_solutions(released) == []
     assert "SOLUTION" not in "\n".join(code_sources(released))
-    make_student_version(lab, tmp_path / "student" / lab.name)
-    student = nbformat.read(tmp_path / "student" / lab.name, as_version=4)
+    make_student_version(graded.lab, tmp_path / graded.lab.name)
+    student = nbformat.read(tmp_path / graded.lab.name, as_version=4)
     ours = [(cell.cell_type, cell.source) for cell in student.cells]
     theirs = [(cell.cell_type, as_lsdl_student(cell)) for cell in released.cells]
     assert len(ours) == len(theirs)
     for index, (mine, nbgraders) in enumerate(zip(ours, theirs, strict=True)):
         assert mine == nbgraders, f"cell {index}: lsdl-student and nbgrader disagree"
 
-    submit(course, "blank", assignment, released_path)
-    submit(course, "solver", assignment, lab)
-    nbgrader(course, "autograde", assignment)
 
-    # The instructor's version: full marks, and every cell ran without an error.
-    solved = nbformat.read(course / "autograded" / "solver" / assignment / lab.name, as_version=4)
-    errors = cell_errors(solved)
-    assert not errors, f"{lab.name} at smoke under nbgrader:\n" + "\n\n".join(errors)
-    solver = grades(course, assignment, lab.stem, "solver")
-    assert {k: solver[k] for k in checkers} == {k: (p, p) for k, p in checkers.items()}
-    cpu = cpu_seconds(course, "solver")
+def test_source_version_scores_full_marks_with_every_cell_run(graded):
+    errors = cell_errors(graded.autograded("solver"))
+    assert not errors, f"{graded.lab.name} at smoke under nbgrader:\n" + "\n\n".join(errors)
+    solver = graded.grades("solver")
+    assert {k: solver[k] for k in graded.checkers} == {
+        k: (p, p) for k, p in graded.checkers.items()
+    }
+
+
+def test_source_version_within_the_smoke_budget(graded):
+    cpu = cpu_seconds(graded.course, "solver")
     assert cpu is not None, "the kernel's CPU time was not recorded"
     print(
-        f"{lab.stem}: {wall_seconds(solved):.1f} s of wall time, {cpu['self']:.1f} s of CPU "
-        f"time in the kernel, {cpu['children']:.1f} s in processes it started"
+        f"{graded.lab.stem}: {wall_seconds(graded.autograded('solver')):.1f} s of wall time, "
+        f"{cpu['self']:.1f} s of CPU time in the kernel, {cpu['children']:.1f} s in child "
+        "processes it has waited for"
     )
     assert cpu["self"] <= SMOKE_BUDGET, (
-        f"{lab.name} took {cpu['self']:.1f} s of CPU time at smoke (budget {SMOKE_BUDGET} s)"
+        f"{graded.lab.name} took {cpu['self']:.1f} s of CPU time at smoke (budget {SMOKE_BUDGET} s)"
     )
 
-    blank = grades(course, assignment, lab.stem, "blank")
+
+def test_blank_submission_scores_zero_and_the_rest_runs(graded):
+    blank = graded.grades("blank")
+    checkers, answers = graded.checkers, graded.answers
     assert set(blank) == set(checkers) | set(answers)
     assert {k: blank[k] for k in checkers} == {k: (0.0, points) for k, points in checkers.items()}
     assert {k: blank[k][1] for k in answers} == answers
     # The rest still ran: every code cell executed; nothing failed before the first
     # exercise; and the only cells that failed after it are checkers or cells that call an
     # exercise, on its stub (an exercise's class whose body is the stub is never defined).
-    ran = nbformat.read(course / "autograded" / "blank" / assignment / lab.name, as_version=4)
+    source = graded.source
     solutions = [s.cell for s in find_solutions(source) if source.cells[s.cell].cell_type == "code"]
     names = {
         name
@@ -241,7 +273,7 @@ def test_lab_under_nbgrader(lab, tmp_path):
         for name in re.findall(r"^(?:def|class)\s+(\w+)", source.cells[index].source, re.M)
     }
     uses_exercise = re.compile(rf"\b({'|'.join(names)})\b")
-    for index, cell in enumerate(ran.cells):
+    for index, cell in enumerate(graded.autograded("blank").cells):
         if cell.cell_type != "code":
             continue
         assert cell.execution_count is not None, f"cell {index} of the released lab never ran"
