@@ -58,7 +58,7 @@ $(COLAB_BASE)/.installed: tests/colab-requirements.txt
 colab-base: $(STAMP) $(COLAB_BASE)/.installed
 
 test: lint browser colab-base
-	LSDL_SCALE=smoke $(BIN)/python -m pytest -n 2 --dist loadfile --nbval-lax tests labs
+	LSDL_SCALE=smoke $(BIN)/python -m pytest -n 2 --dist loadfile tests
 
 # Not part of `make test`: minutes of timing, written to benchmarks/results/.
 bench: $(STAMP)

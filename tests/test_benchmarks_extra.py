@@ -280,7 +280,7 @@ def test_project_cost_commands(tmp_path):
     assert envs == ["smoke", "smoke", "cpu", "cpu", "smoke", "cpu"]
     assert out[2][2][1:] == ["execute", "--timeout=-1", str(labs[0])]
     assert out[4][2][1:] == [
-        "-m", "pytest", "-n", "2", "--dist", "loadfile", "--nbval-lax", "tests", "labs",
+        "-m", "pytest", "-n", "2", "--dist", "loadfile", "tests",
     ]  # fmt: skip
     book = out[5][2]
     assert book[1:5] == ["build", ".", "-W", "--keep-going"]
