@@ -164,7 +164,9 @@ class Optimizer(torch.optim.Optimizer):
 
         On the compiled path the counts were added before the graph (they stay Python ints
         in the state, as eagerly) and come back as one float64 tensor, whose elements are
-        0-d tensors: a new count is a new input, not a new graph."""
+        0-d tensors: a new count is a new input, not a new graph. What the graph computes
+        from them alone (bias corrections) is computed once per step, before its loops
+        (:func:`~lsdl_lab.optim.compiled.compute_once`)."""
         if torch.compiler.is_compiling():
             return self.step_counts
         steps = []

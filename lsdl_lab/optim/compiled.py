@@ -18,6 +18,15 @@ What makes one graph serve every step:
   trust ratios, Adafactor's relative step) is computed inside the graph. The other
   hyperparameters (betas, eps, weight decay, ...) are constants of the graph: changing one
   compiles a new graph.
+* **and they are computed once per step.** TorchInductor inlines a scalar expression into
+  every loop that reads it: left alone, it would recompute ``1 - beta1**t`` for every
+  element of every tensor (the C++ compiler may not hoist ``pow`` out of the loop: it can
+  set ``errno``), which made Adam's compiled step 4.8x slower than torch's fused kernel.
+  So before compiling, :func:`compute_once` finds the values the graph derives from the
+  per-step inputs alone (lr and the counts, through any arithmetic on them) and passes
+  them, packed in one tensor, through :func:`computed_once`, an identity the compiler
+  cannot see into: they are computed once, before the loops, which read them from memory.
+  No ``update`` knows of this; each keeps computing its scalars where its equations do.
 * **The first step of a group runs eagerly.** It creates the state; every later step finds
   the state it reads, so the graph is the same from step to step. The state stays what the
   eager path keeps (step counts as Python ints): ``state_dict`` is the same on both paths,
@@ -35,13 +44,15 @@ whose step is not a per-group ``update``), the optimizer warns once, with the re
 
 from __future__ import annotations
 
+import operator
 import time
 import warnings
+from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, fx
 
-__all__ = ["CompileWarning", "CompiledUpdate"]
+__all__ = ["CompileWarning", "CompiledUpdate", "compute_once", "computed_once"]
 
 # Each graph is cached on the code of ``update``, shared by every instance of a class: a
 # process that builds many optimizers of one class (a lab's race, a test file) compiles one
@@ -59,7 +70,8 @@ class CompiledUpdate:
 
     ``compiles`` counts the graphs compiled for it and ``compile_seconds`` the time of the
     steps that compiled one (tracing, code generation and the C++ compiler, or the cache);
-    ``failure`` is the reason compiling failed (then every step runs eagerly), or None.
+    ``failure`` is the reason compiling failed (then every step runs eagerly), or None;
+    ``graphs`` holds the graphs given to TorchInductor (after :func:`compute_once`).
     """
 
     #: TorchInductor: fused C++ (CPU) or Triton (GPU) kernels
@@ -71,6 +83,8 @@ class CompiledUpdate:
         self.compile_seconds = 0.0
         self.failure: str | None = None
         self.warm: set[int] = set()  # ids of the parameters whose state exists
+        self.per_step: tuple[Tensor, ...] = ()  # this step's lr and counts, while it runs
+        self.graphs: list[fx.GraphModule] = []
         self.fn = optimizer.update
         if optimizer.not_compilable:
             self.fail(optimizer.not_compilable)
@@ -81,7 +95,9 @@ class CompiledUpdate:
             self.fail(f"torch.compile is not available here ({describe(error)})")
 
     def backend(self, graph, example_inputs):
+        graph = compute_once(graph, example_inputs, self.per_step)
         compiled = torch._dynamo.lookup_backend(self.backend_name)(graph, example_inputs)
+        self.graphs.append(graph)
         self.compiles += 1  # counted once it succeeded: dynamo may retry a failed attempt
         return compiled
 
@@ -106,6 +122,7 @@ class CompiledUpdate:
         if counts:  # the new counts, stored in the state only once the step has run
             steps = [opt.state[p]["step"] + 1 for p in params]
             opt.step_counts = torch.tensor(steps, dtype=torch.float64, device=device)
+        self.per_step = (scalars["lr"], opt.step_counts) if counts else (scalars["lr"],)
         before, start = self.compiles, time.perf_counter()
         try:
             with torch._dynamo.config.patch(
@@ -120,11 +137,130 @@ class CompiledUpdate:
             return
         finally:
             opt.step_counts = None
+            self.per_step = ()
         if self.compiles > before:
             self.compile_seconds += time.perf_counter() - start
         if counts:
             for p, k in zip(params, steps):
                 opt.state[p]["step"] = k
+
+
+@torch.library.custom_op("lsdl_lab::computed_once", mutates_args=())
+def computed_once(values: Tensor) -> Tensor:
+    """The identity, as an operation the compiler cannot see into (a custom operator is
+    called as it is): ``values`` is computed before the call, once, and every loop that reads
+    the result after it reads memory, instead of recomputing ``values`` per element."""
+    return values.clone()
+
+
+@computed_once.register_fake
+def _(values: Tensor) -> Tensor:
+    return torch.empty_like(values)
+
+
+# In-place operations whose names do not end in an underscore
+IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+            operator.ipow}  # fmt: skip
+
+
+def compute_once(
+    graph: fx.GraphModule, example_inputs: Sequence, per_step: Sequence[Tensor]
+) -> fx.GraphModule:
+    """``graph`` (traced by dynamo) with the values it derives from the tensors ``per_step``
+    alone computed once, before its loops: a new graph, or ``graph`` itself when there are
+    none.
+
+    A value is derived from the per-step inputs (the learning rate, the step counts) when
+    every input of the operation that makes it is one of them or another such value, the
+    operation changes nothing in place, and its value is no larger than they are: bias
+    corrections, Adafactor's relative step, NAdam's momentum schedule. Those the rest of the
+    graph reads are packed into one tensor per dtype, which passes through
+    :func:`computed_once`; the loops read them from it.
+    """
+    inputs = graph.graph.find_nodes(op="placeholder")
+    sources = [node for node, x in zip(inputs, example_inputs) if any(x is y for y in per_step)]
+    if not sources:
+        return graph
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    g.output(g.graph_copy(graph.graph, env))
+    sources = [env[node] for node in sources]
+    limit = max(x.numel() for x in per_step)
+    derived = set(sources)
+    for node in g.nodes:
+        if (node.op in ("call_function", "call_method") and node.all_input_nodes
+                and all(x in derived for x in node.all_input_nodes)
+                and not mutates(node) and is_small(node, limit)):  # fmt: skip
+            derived.add(node)
+    if any(set(written(node)) & derived for node in g.nodes if mutates(node)):
+        return graph  # an update that changes its lr or counts in place: left as it is
+    needed = [
+        node for node in g.nodes
+        if node in derived and node not in sources and is_small(node, limit, tensor=True)
+        and any(user not in derived for user in node.users)
+    ]  # fmt: skip
+    if not needed:
+        return graph
+    # They depend on the inputs alone: move them before everything else, in their order
+    anchor = env[inputs[-1]]
+    for node in [node for node in g.nodes if node in derived and node not in sources]:
+        anchor.append(node)
+        anchor = node
+    by_dtype: dict[tuple, list[fx.Node]] = {}
+    for node in needed:
+        value = node.meta["example_value"]
+        by_dtype.setdefault((value.dtype, value.device), []).append(node)
+    with g.inserting_before(anchor.next):
+        made = set()
+        for nodes in by_dtype.values():
+            flat = [g.call_method("reshape", (node, -1)) for node in nodes]
+            packed = g.call_function(torch.cat, (flat,))
+            packed = g.call_function(torch.ops.lsdl_lab.computed_once.default, (packed,))
+            made.update([*flat, *packed.all_input_nodes, packed])
+            offset = 0
+            for node in nodes:
+                value = node.meta["example_value"]
+                piece = g.call_method("narrow", (packed, 0, offset, value.numel()))
+                view = g.call_method("view", (piece, tuple(value.shape)))
+                made.update([piece, view])
+                node.replace_all_uses_with(view, lambda user: user not in derived | made)
+                offset += value.numel()
+    g.lint()
+    return fx.GraphModule(graph, g)
+
+
+def mutates(node: fx.Node) -> bool:
+    """Whether ``node`` writes into one of its arguments (``x.add_(y)``, ``out=x``)."""
+    if node.op == "call_method":
+        name = node.target
+    elif node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if node.target in IN_PLACE or (schema is not None and schema.is_mutable):
+            return True
+        name = getattr(node.target, "__name__", "")
+    else:
+        return False
+    return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs
+
+
+def written(node: fx.Node) -> list[fx.Node]:
+    """The nodes an in-place ``node`` may write: its first argument and ``out``."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args[:1], node.kwargs.get("out")), found.append)
+    return found
+
+
+def is_small(node: fx.Node, limit: int, tensor: bool = False) -> bool:
+    """Whether ``node``'s value is a tensor (or, unless ``tensor``, a list of tensors) of at
+    most ``limit`` elements each, with a known shape."""
+    value = node.meta.get("example_value")
+    values = [value] if isinstance(value, Tensor) or tensor else value
+    if not isinstance(values, (list, tuple)) or not values:
+        return False
+    return all(
+        isinstance(x, Tensor) and all(isinstance(d, int) for d in x.shape) and x.numel() <= limit
+        for x in values
+    )
 
 
 def is_compile_error(error: Exception) -> bool:

@@ -1,33 +1,36 @@
 """The compiled path (``compile=True``, lsdl_lab/optim/compiled.py) against the eager one.
 
-For every first-order optimizer, on a real (small) model, in float32 and float64, with a
-learning rate that changes every step (a schedule):
+For every first-order optimizer, on a real (small) model in float32 and one in float64
+trained side by side by one optimizer (one parameter group: one graph covers both dtypes),
+with a learning rate that changes every step (a schedule):
 
 * 100 compiled steps equal 100 eager steps within a stated tolerance (TOLERANCE: the
   compiler fuses and reorders the arithmetic, so results differ by rounding, not bit for
   bit); the state is the same, key for key and type for type;
 * one graph is compiled per parameter group, however the learning rate and the step
-  count change;
+  count change; what the graph derives from them alone (bias corrections: every ``pow``)
+  is computed once per step, not in the loops;
 * a run switches path on resume, either way, through ``state_dict``;
 * where compiling is impossible (an optimizer that declares it, a missing C++ compiler, an
   operation the tracer rejects) one warning gives the reason, and the eager update runs.
 
-Compiling costs seconds per graph, so each optimizer and dtype is compiled once per module
-and every test reads that run. Cold (an empty TorchInductor cache), the whole sweep took
-24 minutes on the project's 2-core machine under load 13 (the C++ compiler, tens of
-seconds per graph): by default it runs Adam in float32 and float64, and
-``LSDL_TEST_COMPILE=all`` runs every optimizer in both dtypes (41 tests).
+Compiling costs seconds per graph (tens of seconds on a loaded machine with an empty
+TorchInductor cache), so each optimizer is compiled once per module, for both dtypes, and
+every test reads that run. ``LSDL_TEST_COMPILE=all`` adds the resume test of every
+optimizer (Adam's runs by default) and K-FAC's compiled momentum.
 """
 
 from __future__ import annotations
 
 import io
+import operator
 import os
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lsdl_lab import optim
 from lsdl_lab.models import MLP
@@ -35,6 +38,7 @@ from lsdl_lab.optim.compiled import CompileWarning
 
 STEPS = 100
 SWITCH = 50  # the step at which a run changes path
+DTYPES = (torch.float32, torch.float64)
 # Measured largest differences after 100 steps (Adam, SGD, LAMB, Adafactor, NAdam; parameters
 # of order 0.1 to 1): float32 9e-8, float64 2e-16. The bounds leave a hundredfold margin for
 # other vector widths; a stale learning rate (the schedule moves it 2-10% a step) or step
@@ -44,7 +48,6 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol
 # One option set per optimizer, with every part of its update switched on; LARS and LAMB
 # with their two groups (adapted weights; biases without trust ratio and decay).
 EVERY = os.environ.get("LSDL_TEST_COMPILE") == "all"
-DEFAULT = {("Adam", torch.float32), ("Adam", torch.float64)}
 CASES = {
     "SGD": lambda m, c: optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True,
                                weight_decay=1e-3, compile=c),
@@ -79,10 +82,20 @@ def make_model(dtype):
     return MLP(6, 3, hidden=12, depth=2).to(dtype)
 
 
+def make_models() -> nn.ModuleList:
+    """The same MLP in float32 and in float64, side by side."""
+    return nn.ModuleList([make_model(dtype) for dtype in DTYPES])
+
+
 def batch(t: int, dtype):
     g = torch.Generator().manual_seed(1000 + t)
     x = torch.randn(16, 6, generator=g, dtype=torch.float64).to(dtype)
     return x, torch.randint(0, 3, (16,), generator=g)
+
+
+def loss(models: nn.ModuleList, t: int):
+    """The two models' losses on the same batch, summed: each model gets its own gradient."""
+    return sum(F.cross_entropy(m(batch(t, d)[0]), batch(t, d)[1]) for m, d in zip(models, DTYPES))
 
 
 def schedule(t: int) -> float:
@@ -90,39 +103,38 @@ def schedule(t: int) -> float:
     return min(1.0, (t + 1) / 10) / (1 + 0.02 * t)
 
 
-def train(model, opt, steps, dtype):
+def train(models, opt, steps):
     for t in steps:
         for group, lr in zip(opt.param_groups, opt.base_lrs):
             group["lr"] = lr * schedule(t)
-        x, y = batch(t, dtype)
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        loss(models, t).backward()
         opt.step()
 
 
-def checkpoint(model, opt) -> dict:
+def checkpoint(models, opt) -> dict:
     buffer = io.BytesIO()
-    torch.save(dict(model=model.state_dict(), opt=opt.state_dict()), buffer)
+    torch.save(dict(model=models.state_dict(), opt=opt.state_dict()), buffer)
     buffer.seek(0)
     return torch.load(buffer)
 
 
-def run(name, dtype, compile, steps=range(STEPS), start=None):
-    """Train ``steps``, from ``start`` (a checkpoint) or from the beginning; the model, the
+def run(name, compile, steps=range(STEPS), start=None):
+    """Train ``steps``, from ``start`` (a checkpoint) or from the beginning; the models, the
     optimizer, and the checkpoint at step SWITCH when the run passes it."""
-    model = make_model(dtype)
-    opt = make(name, model, compile)
+    models = make_models()
+    opt = make(name, models, compile)
     opt.base_lrs = [g["lr"] for g in opt.param_groups]
     if start is not None:
-        model.load_state_dict(start["model"])
+        models.load_state_dict(start["model"])
         opt.load_state_dict(start["opt"])
     saved = None
     if steps.start < SWITCH < steps.stop:
-        train(model, opt, range(steps.start, SWITCH), dtype)
-        saved = checkpoint(model, opt)
+        train(models, opt, range(steps.start, SWITCH))
+        saved = checkpoint(models, opt)
         steps = range(SWITCH, steps.stop)
-    train(model, opt, steps, dtype)
-    return model, opt, saved
+    train(models, opt, steps)
+    return models, opt, saved
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -136,92 +148,122 @@ def fresh_dynamo():
 RUNS = {}
 
 
-def runs(name, dtype):
-    """The eager and the compiled run of ``name`` in ``dtype``, made once per module."""
-    if (name, dtype) not in RUNS:
+def runs(name):
+    """The eager and the compiled run of ``name``, made once per module."""
+    if name not in RUNS:
         with warnings.catch_warnings():
             warnings.simplefilter("error", CompileWarning)  # every one of them compiles
-            RUNS[name, dtype] = run(name, dtype, False), run(name, dtype, True)
-    return RUNS[name, dtype]
+            RUNS[name] = run(name, False), run(name, True)
+    return RUNS[name]
 
 
-def assert_close_state(a, b, tolerance, where="state"):
-    """The same nested state, key for key and type for type; tensors close."""
+def assert_close_state(a, b, where="state"):
+    """The same nested state, key for key and type for type; tensors close (within their
+    dtype's tolerance), or equal."""
     assert type(a) is type(b), where
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, where
-        torch.testing.assert_close(a, b, **tolerance, msg=where)
+        torch.testing.assert_close(a, b, **TOLERANCE.get(a.dtype, dict(rtol=0, atol=0)), msg=where)
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), where
         for key in a:
-            assert_close_state(a[key], b[key], tolerance, f"{where}/{key}")
+            assert_close_state(a[key], b[key], f"{where}/{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_close_state(x, y, tolerance, f"{where}[{i}]")
+            assert_close_state(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
 
 
-def assert_close_run(a, b, dtype):
-    (model_a, opt_a), (model_b, opt_b) = a[:2], b[:2]
-    for pa, pb in zip(model_a.parameters(), model_b.parameters(), strict=True):
-        torch.testing.assert_close(pa, pb, **TOLERANCE[dtype])
-    assert_close_state(opt_a.state_dict(), opt_b.state_dict(), TOLERANCE[dtype])
+def assert_close_run(a, b):
+    (models_a, opt_a), (models_b, opt_b) = a[:2], b[:2]
+    params = list(zip(models_a.parameters(), models_b.parameters(), strict=True))
+    assert {p.dtype for p, _ in params} == set(DTYPES)
+    for pa, pb in params:
+        torch.testing.assert_close(pa, pb, **TOLERANCE[pa.dtype])
+    assert_close_state(opt_a.state_dict(), opt_b.state_dict())
 
 
-def cases(dtypes):
-    """(name, dtype) pairs, those outside DEFAULT skipped unless LSDL_TEST_COMPILE=all."""
-    skip = pytest.mark.skipif(not EVERY, reason="compiles for minutes: LSDL_TEST_COMPILE=all")
-    return [
-        pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}",
-                     marks=() if (name, dtype) in DEFAULT else skip)
-        for name in CASES for dtype in dtypes
-    ]  # fmt: skip
+def ancestors(node) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        for x in todo.pop().all_input_nodes:
+            if x not in seen:
+                seen.add(x)
+                todo.append(x)
+    return seen
 
 
-@pytest.mark.parametrize(("name", "dtype"), cases([torch.float32, torch.float64]))
-def test_compiled_equals_eager_with_one_graph_per_group(name, dtype):
-    eager, compiled = runs(name, dtype)
-    assert_close_run(compiled, eager, dtype)
+def powers_outside_the_loops(graph) -> tuple[int, int]:
+    """The ``pow`` operations of a compiled graph, and how many of them feed the values that
+    are computed once per step (:func:`~lsdl_lab.optim.compiled.computed_once`) alone."""
+    once = graph.graph.find_nodes(
+        op="call_function", target=torch.ops.lsdl_lab.computed_once.default
+    )
+    before = set().union(*(ancestors(node) for node in once))
+    pows = [n for n in graph.graph.nodes if n.target in (operator.pow, torch.pow, "pow")]
+    return len(pows), sum(n in before for n in pows)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_equals_eager_with_one_graph_per_group(name):
+    eager, compiled = runs(name)
+    assert_close_run(compiled, eager)
     opt = compiled[1]
     assert opt.compiled.failure is None
     # 100 steps, a new learning rate and step count in each: one graph per group, no more
     assert opt.compiled.compiles == len(opt.param_groups)
     assert opt.compiled.compile_seconds > 0
+    # every power of a step count (a bias correction) is computed once per step, outside the
+    # loops over the elements
+    for graph in opt.compiled.graphs:
+        pows, outside = powers_outside_the_loops(graph)
+        assert outside == pows
     # and the run moved: a compiled update that did nothing would fail the comparison too,
     # but only if the eager run moved
-    start = make_model(dtype)
+    start = make_models()
     assert any(not torch.allclose(p, q) for p, q in zip(start.parameters(), eager[0].parameters()))
+
+
+def test_adams_bias_corrections_are_computed_once_per_step():
+    opt = runs("Adam")[1][1]
+    # two per tensor (1 - beta1^t and 1 - beta2^t) and the square root of the second, at
+    # least: all of them before the loops
+    pows, outside = powers_outside_the_loops(opt.compiled.graphs[0])
+    assert pows >= 2 * len(opt.param_groups[0]["params"]) and outside == pows
 
 
 def test_a_changed_learning_rate_changes_the_compiled_step():
     # the learning rate is an input of the graph, not a constant baked into it
-    eager, compiled = runs("Adam", torch.float32)
-    model, opt = compiled[0], compiled[1]
-    x, y = batch(0, torch.float32)
+    eager, compiled = runs("Adam")
+    models, opt = compiled[0], compiled[1]
     steps = []
     for lr in (1e-2, 0.0):
-        before = [p.detach().clone() for p in model.parameters()]
+        before = [p.detach().clone() for p in models.parameters()]
         opt.param_groups[0]["lr"] = lr
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        loss(models, 0).backward()
         opt.step()
-        steps.append(max((p - b).abs().max().item() for p, b in zip(model.parameters(), before)))
+        steps.append(max((p - b).abs().max().item() for p, b in zip(models.parameters(), before)))
     assert steps[0] > 1e-4 and steps[1] == 0.0
     assert opt.compiled.compiles == 1
 
 
-@pytest.mark.parametrize(("name", "dtype"), cases([torch.float32]))
-def test_a_run_switches_path_on_resume(name, dtype):
-    eager, compiled = runs(name, dtype)
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=() if name == "Adam" or EVERY else pytest.mark.skip(
+        reason="compiles each optimizer anew: LSDL_TEST_COMPILE=all")) for name in CASES],
+)  # fmt: skip
+def test_a_run_switches_path_on_resume(name):
+    eager, compiled = runs(name)
     # eager for 50 steps, then compiled; compiled for 50 steps, then eager
-    to_compiled = run(name, dtype, True, range(SWITCH, STEPS), start=eager[2])
-    to_eager = run(name, dtype, False, range(SWITCH, STEPS), start=compiled[2])
-    assert_close_run(to_compiled, eager, dtype)
-    assert_close_run(to_eager, eager, dtype)
+    to_compiled = run(name, True, range(SWITCH, STEPS), start=eager[2])
+    to_eager = run(name, False, range(SWITCH, STEPS), start=compiled[2])
+    assert_close_run(to_compiled, eager)
+    assert_close_run(to_eager, eager)
     # the checkpoints of the two paths hold the same state, type for type
-    assert_close_state(compiled[2]["opt"], eager[2]["opt"], TOLERANCE[dtype])
+    assert_close_state(compiled[2]["opt"], eager[2]["opt"])
 
 
 # -- where compiling is impossible -----------------------------------------------------------
