@@ -11,10 +11,14 @@ and measured subset. Nothing else changes.
 The data are CIFAR-10 and Tiny Shakespeare as files in their official formats (the
 python-version tar.gz of pickled batches, 50,000 + 10,000 images of 3x32x32 in
 ``cifar-10-batches-py/``; a UTF-8 ``input.txt`` of plays), made synthetic here and
-registered in the kernel as the records of ``lsdl_lab.data.REMOTE_FILES`` with their own
-size and checksums, under a data root of their own (``LSDL_DATA``): verification passes
-for these files only, and a record's URL that cannot be fetched makes any download
-attempt fail, so nothing is downloaded.
+registered as the records of ``lsdl_lab.data.REMOTE_FILES`` with their own size and
+checksums, under a data root of their own (``LSDL_DATA``): verification passes for these
+files only, and a record's URL that cannot be fetched makes any download attempt fail, so
+nothing is downloaded. They are registered in every Python process of the dry run, by a
+``sitecustomize`` module on its ``PYTHONPATH``: the kernel, and the ranks that Labs 7 and
+9 start (forked from a fresh server by :func:`lsdl_lab.dist.spawn`, or new Pythons under
+``torchrun``), which load their data themselves. The caps reach those ranks through the
+environment, as the rest of it does.
 
 A lab's own ``assert`` statements check effects (the large batch is sharper, an optimizer
 wins) that need the uncapped steps. In the dry run every notebook ``assert`` is rewritten
@@ -150,18 +154,29 @@ def gpu_data(tmp_path_factory) -> tuple[Path, dict]:
         "cifar10": _record("synthetic CIFAR-10 archive", root / "cifar-10-python.tar.gz"),
         "tiny_shakespeare": _record("synthetic Tiny Shakespeare", root / "tiny_shakespeare.txt"),
     }
+    site = root / "site"  # see the module's docstring
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(records=records))
     return root, records
 
 
 # --- the dry run ---------------------------------------------------------------------------
 
+SITECUSTOMIZE = """\
+# The dry run's synthetic data sets, registered in each of its Python processes.
+from lsdl_lab.data import REMOTE_FILES, RemoteFile
+
+for name, record in {records!r}.items():
+    REMOTE_FILES[name] = RemoteFile(**record)
+"""
+
 SETUP = """\
 import ast as _ast
 
-from lsdl_lab.data import REMOTE_FILES as _REMOTE_FILES, RemoteFile as _RemoteFile
+from lsdl_lab.data import REMOTE_FILES as _REMOTE_FILES
 
-for _name, _record in {records!r}.items():
-    _REMOTE_FILES[_name] = _RemoteFile(**_record)
+# registered by the dry run's sitecustomize
+assert _REMOTE_FILES["cifar10"].url.startswith("file:///nonexistent/lsdl-dry-run/")
 
 _dry_run_false_asserts = []
 
@@ -170,7 +185,7 @@ class _RecordFalseAsserts(_ast.NodeTransformer):
     # `assert test, msg` -> `if not (test): _dry_run_false_asserts.append(<source of test>)`
     def visit_Assert(self, node):
         record = _ast.parse(
-            f"_dry_run_false_asserts.append({{_ast.unparse(node.test)!r}})"
+            f"_dry_run_false_asserts.append({_ast.unparse(node.test)!r})"
         ).body[0]
         new = _ast.If(test=_ast.UnaryOp(_ast.Not(), node.test), body=[record], orelse=[])
         return _ast.copy_location(new, node)
@@ -183,7 +198,7 @@ REPORT = "import json as _json\nprint('DRY-RUN-ASSERTS', _json.dumps(_dry_run_fa
 
 
 def dry_run_env(root: Path) -> dict:
-    paths = [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    paths = [str(root / "site"), str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in paths if p),
@@ -206,28 +221,13 @@ def first_error(nb) -> str | None:
     return None
 
 
-# Labs whose loops run in processes of their own that do not read the caps yet: at gpu
-# they would run their full trainings here. Skipped with the reason shown, never silently.
-DEFERRED = {
-    "lab07_communication": "its worlds of processes (lsdl_lab.dist.experiments) ignore the caps",
-    "lab09_combined_recipe": "its torchrun launches (lsdl_lab.run) ignore the caps",
-}
-
-
-def _params():
-    for lab in LABS:
-        why = DEFERRED.get(lab.stem)
-        marks = [pytest.mark.skip(reason=f"not in the dry run yet: {why}")] if why else []
-        yield pytest.param(lab, id=lab.stem, marks=marks)
-
-
-@pytest.mark.parametrize("lab", list(_params()))
+@pytest.mark.parametrize("lab", LABS, ids=[lab.stem for lab in LABS])
 def test_lab_runs_at_the_gpu_profile(lab, gpu_data, capsys):
-    root, records = gpu_data
+    root, _ = gpu_data
     nb = nbformat.read(lab, as_version=4)
     # After the install cell (the first code cell), before the lab's imports.
     first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
-    nb.cells.insert(first + 1, nbformat.v4.new_code_cell(SETUP.format(records=records)))
+    nb.cells.insert(first + 1, nbformat.v4.new_code_cell(SETUP))
     nb.cells.append(nbformat.v4.new_code_cell(REPORT))
     client = NotebookClient(
         nb,
@@ -288,10 +288,10 @@ def test_synthetic_files_verify_only_under_their_own_records(gpu_data):
 
 
 def test_the_dry_run_records_false_asserts_and_fails_on_errors(gpu_data, tmp_path):
-    root, records = gpu_data
+    root, _ = gpu_data
     nb = nbformat.v4.new_notebook()
     nb.cells = [
-        nbformat.v4.new_code_cell(SETUP.format(records=records)),
+        nbformat.v4.new_code_cell(SETUP),
         nbformat.v4.new_code_cell("import torch\nassert 1 + 1 == 3, 'an effect'\nx = 1"),
         nbformat.v4.new_code_cell(REPORT),
         nbformat.v4.new_code_cell("torch.zeros(2, 3) @ torch.zeros(2, 3)  # a shape error"),
