@@ -260,11 +260,19 @@ class Row:
     rounds: int = 0
 
 
+def model_params(size: str, device) -> list[torch.Tensor]:
+    """The parameters of the model of ``size``, detached from it and trainable, as a model's
+    are (``param_groups_for_layerwise``, LARS's groups, keeps only trainable ones)."""
+    torch.manual_seed(0)
+    return [
+        p.detach().to(device).requires_grad_() for p in optimizers.SIZES[size][1]().parameters()
+    ]
+
+
 def benchmark_size(size, device, rounds, budget, timer, flush, entries, deadline, skipped):
     """The rows of ``entries`` on the model of ``size``: (header, parameters, rows). A row
     due after ``deadline`` is appended to ``skipped`` as (size, label) instead."""
-    torch.manual_seed(0)
-    params = [p.detach().to(device) for p in optimizers.SIZES[size][1]().parameters()]
+    params = model_params(size, device)
     header = optimizers.describe(size, params)
     log(header)
     fixed = [torch.randn_like(p) for p in params]

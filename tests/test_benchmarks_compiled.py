@@ -37,11 +37,13 @@ def test_rows_cover_every_optimizer_of_the_package():
     labels = [e.label for e in entries if not e.reason]
     for label in (*compiled.GOAL_ROWS, "SGD nesterov", "Adam amsgrad", "LAMB", "SM3"):
         assert label in labels
-    params = [torch.zeros(4, 3, requires_grad=True), torch.zeros(3, requires_grad=True)]
-    for e in entries:  # every timed row has a byte count and builds on both paths
+    params = compiled.model_params("tiny", "cpu")
+    for e in entries:  # every timed row has a byte count and builds every implementation
         if not e.reason:
             assert compiled.minimum_bytes(e.name, e.options, params) > 0, e.label
-            assert compiled.lsdl(e, params, compile=False) is not None
+            built = compiled.candidates(e, params)
+            assert [name for name, _ in built][:2] == ["eager foreach", "compiled"], e.label
+            assert all(isinstance(opt, torch.optim.Optimizer) for _, opt in built), e.label
 
 
 def test_sm3_moves_what_sgd_moves_on_matrices_and_adagrad_on_vectors():
