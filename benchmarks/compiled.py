@@ -31,7 +31,8 @@ why, from what was measured.
 
 Run from the repository root::
 
-    python -m benchmarks.compiled                        # about 25 min with a warm cache
+    python -m benchmarks.compiled                        # every row: over an hour cold
+    python -m benchmarks.compiled --rows-minutes 9 --labs-minutes 2   # 13 min, goal rows first
     python -m benchmarks.compiled --sizes 10M --only Adam,SGD
     python -m benchmarks.compiled --quick                # one optimizer, tiny: a test
 
