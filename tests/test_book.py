@@ -18,6 +18,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 import nbformat
 import pytest
 import yaml
+from test_labs_portable import repository
 
 ROOT = Path(__file__).resolve().parents[1]
 JB = Path(sys.executable).with_name("jupyter-book")
@@ -140,8 +141,8 @@ def test_a_cell_that_raises_fails_the_build(tmp_path):
 def repository_blob():
     """``<repository url>/blob/<branch>/``, from _config.yml: a file of the repository on
     GitHub, where the labs link the book's pages and the benchmarks' results."""
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]
-    return f"{config['url'].rstrip('/')}/blob/{config.get('branch', 'main')}/"
+    url, branch = repository()
+    return f"{url}/blob/{branch}/"
 
 
 def book_extension():
@@ -319,7 +320,7 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
         browser_paths()
     except RuntimeError as missing:  # never a silent skip: say what to install
         pytest.fail(str(missing))
-    repo = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
+    repo = repository()[0]
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     problems, math_pages, explorers = [], 0, 0
     sources = {

@@ -5,6 +5,7 @@ every link is absolute: a book page or another file by its URL on GitHub (the re
 _config.yml, which Colab opens the lab from; the book's HTML turns a link to one of its own
 pages into an internal link, tested in tests/test_book.py)."""
 
+import functools
 import re
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -89,8 +90,10 @@ def opens_outside_the_book(kind, target):
     return urlsplit(target).scheme in allowed
 
 
+@functools.cache
 def repository():
-    """(URL, branch) of the book's repository, from _config.yml."""
+    """(URL, branch) of the book's repository, from _config.yml (tests/test_book.py uses it
+    too)."""
     config = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]
     return config["url"].rstrip("/"), config.get("branch", "main")
 
@@ -247,7 +250,7 @@ def colab_targets(text):
 def test_lab_opens_itself_in_colab_and_loads_no_remote_image(lab):
     nb = nbformat.read(lab, as_version=4)
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
-    repo_url = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
+    repo_url = repository()[0]
     targets = colab_targets(text)
     assert targets, f"{lab.name} has no Colab link"
     for org, repo, branch, path in targets:
