@@ -2,8 +2,9 @@ r"""What LARS and LAMB share: the layer-wise trust ratio and the layer-wise para
 
 Both optimizers rescale each layer's (each parameter tensor's) step by a *trust ratio*
 that makes it a fixed fraction of the layer's weight norm (You, Gitman and Ginsburg, 2017;
-You et al., 2020). :func:`trust_ratio` computes it for a list of layers, in one form that
-covers both papers; the Lab 4b checker calls it too. :func:`param_groups_for_layerwise`
+You et al., 2020), in one form that covers both papers (:func:`ratio_of_norms`), for one
+layer (:func:`layer_trust_ratio`, which both optimizers call) or a list of layers
+(:func:`trust_ratio`, which the Lab 4b checker calls). :func:`param_groups_for_layerwise`
 leaves biases and normalization parameters out of the adaptation and the decay.
 """
 
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from .._util import check_nonnegative
 from .pieces import host_scalars
 
-__all__ = ["param_groups_for_layerwise", "trust_ratio"]
+__all__ = ["layer_trust_ratio", "param_groups_for_layerwise", "ratio_of_norms", "trust_ratio"]
 
 
 def trust_ratio(
@@ -29,7 +30,42 @@ def trust_ratio(
     weight_decay: float = 0.0,
     eps: float = 0.0,
 ) -> list[float]:
-    r"""The trust ratio of each layer, as Python floats (one device-to-host copy):
+    """The trust ratio of each layer (:func:`ratio_of_norms`), as Python floats (one
+    device-to-host copy)."""
+    w_norm = torch.stack(torch._foreach_norm(weights))
+    u_norm = torch.stack(torch._foreach_norm(updates))
+    tau = ratio_of_norms(w_norm, u_norm, clamp, trust_coefficient, weight_decay, eps)
+    return host_scalars(tau)
+
+
+def layer_trust_ratio(
+    w: Tensor,
+    u: Tensor,
+    clamp: tuple[float, float] | None = None,
+    *,
+    trust_coefficient: float = 1.0,
+    weight_decay: float = 0.0,
+    eps: float = 0.0,
+) -> Tensor:
+    """The trust ratio of one layer (:func:`ratio_of_norms`), a 0-d tensor on its device.
+
+    Inside a compiled ``update`` a norm of one tensor is a reduction that TorchInductor
+    computes in the loop that produces ``u`` (``u`` is then never written to memory), where
+    ``torch._foreach_norm`` is an opaque call that needs every ``u`` stored first."""
+    w_norm, u_norm = torch.linalg.vector_norm(w), torch.linalg.vector_norm(u)
+    return ratio_of_norms(w_norm, u_norm, clamp, trust_coefficient, weight_decay, eps)
+
+
+def ratio_of_norms(
+    w_norm: Tensor,
+    u_norm: Tensor,
+    clamp: tuple[float, float] | None = None,
+    trust_coefficient: float = 1.0,
+    weight_decay: float = 0.0,
+    eps: float = 0.0,
+) -> Tensor:
+    r"""The trust ratio from the norms :math:`\|w\|` and :math:`\|u\|` of a layer's
+    weights and step (tensors of any shape, elementwise):
 
     .. math::
         \tau = \frac{\eta\, \phi(\|w\|)}{\|u\| + \lambda \|w\| + \epsilon}
@@ -44,12 +80,10 @@ def trust_ratio(
     optax, timm and pytorch-optimizer: a ratio proportional to :math:`\|w\| = 0` would never
     let it move.
     """
-    w_norm = torch.stack(torch._foreach_norm(weights))
-    u_norm = torch.stack(torch._foreach_norm(updates))
     phi = w_norm.clamp(*clamp) if clamp is not None else w_norm
     denom = u_norm + weight_decay * w_norm
     tau = trust_coefficient * phi / (denom + eps)
-    return host_scalars(torch.where((w_norm > 0) & (denom > 0), tau, 1.0))
+    return torch.where((w_norm > 0) & (denom > 0), tau, 1.0)
 
 
 def param_groups_for_layerwise(
