@@ -71,7 +71,7 @@ from torch import Tensor
 
 from .._util import check_nonnegative, check_real
 from .base import Optimizer
-from .pieces import decoupled_weight_decay_, smaller
+from .pieces import smaller
 
 __all__ = ["Adafactor"]
 
@@ -150,65 +150,46 @@ class Adafactor(Optimizer):
             \qquad W_t = W_{t-1} - \alpha_t M_t
         """
         lr, c, eps2, d = group["lr"], group["beta2_decay"], group["eps2"], group["d"]
-        beta1 = group["beta1"]
-        eps1 = [group["eps1"] for _ in params]
-        if group["eps1"] is None:  # torch.optim's default: the dtype's machine epsilon
-            eps1 = [torch.finfo(p.dtype).eps for p in params]
+        beta1, lam = group["beta1"], group["weight_decay"]
         t = self.count_steps(params)
-        alpha = [smaller(lr, 1 / k**0.5) if group["relative_step"] else lr for k in t]  # rho_t
-        if group["scale_parameter"]:  # RMS(W_{t-1}), before the weight decay
-            alpha = torch._foreach_mul(self.clamped_rms(params, 1.0, eps2), alpha)
-        decoupled_weight_decay_(params, lr, group["weight_decay"])
-        u = self.second_moment(params, grads, [k**c for k in t], eps1)  # V_hat, new tensors
-        # U_t = G_t / max(sqrt(V_hat), eps1), as rsqrt(max(V_hat, eps1^2)) (torch.optim's)
-        torch._foreach_clamp_min_(u, [e * e for e in eps1])
-        torch._foreach_rsqrt_(u)
-        torch._foreach_mul_(u, grads)
-        clip = self.clamped_rms(u, d, 1.0)  # U_hat_t = U_t / clip
-        if beta1 is not None:
-            torch._foreach_div_(u, clip)
-            m = self.buffer(params, "exp_avg")
-            torch._foreach_lerp_(m, u, 1 - beta1)
-            u = torch._foreach_mul(m, alpha)
-        else:  # alpha_t U_hat_t in one pass over U_t (alpha_t = 0: a step of exactly 0)
-            torch._foreach_div_(clip, alpha)
-            torch._foreach_div_(u, clip)
-        torch._foreach_sub_(params, u)
+        # Layer by layer: each layer's arrays stay in the caches from its statistics to its
+        # step, and compiled, each layer's RMS and factor means are reductions fused into the
+        # loops that read G_t, where _foreach_norm and the _foreach operations with one
+        # scalar per tensor are opaque calls that need their inputs stored first (compiled,
+        # that form took 1.7x this one's time)
+        for w, g, k in zip(params, grads, t, strict=True):
+            eps1 = torch.finfo(w.dtype).eps if group["eps1"] is None else group["eps1"]
+            alpha = smaller(lr, 1 / k**0.5) if group["relative_step"] else lr  # rho_t
+            if group["scale_parameter"]:  # RMS(W_{t-1}), before the weight decay
+                alpha = self.clamped_rms(w, 1.0, eps2) * alpha
+            if lam:
+                w.mul_(1 - lr * lam)  # decoupled weight decay
+            u = self.second_moment(w, g, k**c, eps1)  # V_hat, a new tensor
+            # U_t = G_t / max(sqrt(V_hat), eps1), as rsqrt(max(V_hat, eps1^2)) (torch.optim's)
+            u.clamp_min_(eps1 * eps1).rsqrt_().mul_(g)
+            clip = self.clamped_rms(u, d, 1.0)  # U_hat_t = U_t / clip
+            if beta1 is not None:
+                m = self.buffer([w], "exp_avg")[0]
+                m.lerp_(u.div_(clip), 1 - beta1)
+                w.sub_(torch.mul(m, alpha, out=u))
+            else:  # alpha_t U_hat_t in one pass over U_t (alpha_t = 0: a step of exactly 0)
+                w.sub_(u.div_(clip / alpha))
 
     @staticmethod
-    def clamped_rms(tensors: list[Tensor], d: float, low: float) -> list[Tensor]:
-        r""":math:`\max(\text{low}, \operatorname{RMS}(x) / d)` of each tensor :math:`x`, as
-        0-d tensors on the tensors' device: no synchronization with the host (torch.optim
-        computes these as Python numbers, one ``.item()`` per tensor)."""
-        out = torch._foreach_norm(tensors)
-        torch._foreach_div_(out, [x.numel() ** 0.5 * d for x in tensors])
-        torch._foreach_clamp_min_(out, low)
-        return out
+    def clamped_rms(x: Tensor, d: float, low: float) -> Tensor:
+        r""":math:`\max(\text{low}, \operatorname{RMS}(x) / d)`, a 0-d tensor on ``x``'s device:
+        no synchronization with the host (torch.optim computes it as a Python number)."""
+        return torch.linalg.vector_norm(x).div_(x.numel() ** 0.5 * d).clamp_min_(low)
 
-    def second_moment(
-        self, params: list[Tensor], grads: list[Tensor], weight: list[float], eps1: list[float]
-    ) -> list[Tensor]:
-        r""":math:`\hat V_t` of each parameter, new tensors, after updating the state with
-        weight :math:`1 - \hat\beta_{2t}`: factored for matrices and order-k tensors
-        (:meth:`factored_second_moment`), the full average for vectors and scalars."""
-        v_hat: list[Tensor | None] = [None] * len(params)
-        matrices = [i for i, g in enumerate(grads) if g.dim() > 1]
-        vectors = [i for i, g in enumerate(grads) if g.dim() <= 1]
-        if matrices:
-            factored = self.factored_second_moment(
-                *([x[i] for i in matrices] for x in (params, grads, weight, eps1))
-            )
-            for i, v in zip(matrices, factored):
-                v_hat[i] = v
-        if vectors:
-            v = self.buffer([params[i] for i in vectors], "variance")
-            g = [grads[i] for i in vectors]
-            g2 = torch._foreach_mul(g, g)
-            torch._foreach_lerp_(v, g2, [weight[i] for i in vectors])
-            del g2
-            for i, v_i in zip(vectors, v):
-                v_hat[i] = v_i.clone()  # the update is built in V_hat's memory: keep the state
-        return v_hat
+    def second_moment(self, p: Tensor, g: Tensor, weight, eps1: float) -> Tensor:
+        r""":math:`\hat V_t` of the parameter ``p``, a new tensor, after updating its state
+        with weight :math:`1 - \hat\beta_{2t}`: factored for a matrix or an order-k tensor
+        (:meth:`factored_second_moment`), the full average for a vector or a scalar."""
+        if g.dim() > 1:
+            return self.factored_second_moment([p], [g], [weight], [eps1])[0]
+        v = self.buffer([p], "variance")[0]
+        # the update is built in V_hat's memory: a copy, to keep the state
+        return v.lerp_(g * g, weight).clone()
 
     def factored_second_moment(
         self, params: list[Tensor], grads: list[Tensor], weight: list[float], eps1: list[float]
@@ -220,17 +201,14 @@ class Adafactor(Optimizer):
         :math:`G_t^2` is formed once, in a temporary that then receives :math:`\hat V_t`:
         each new temporary the size of the model costs a pass of fresh memory (torch.optim
         avoids this one with ``torch.norm(g, dim)``, squared, which along the columns ran 7
-        to 15 times slower on CPU; it also rounds differently, by an ulp or two). A
-        reduction along one dimension and a product into a given tensor have no
-        ``_foreach`` form: one call per tensor.
+        to 15 times slower on CPU; it also rounds differently, by an ulp or two).
         """
-        rows, cols = (list(f) for f in zip(*(self.factors(p) for p in params)))
-        v_hat = torch._foreach_mul(grads, grads)  # G_t^2
-        for factors, dim in ((rows, -1), (cols, -2)):
-            torch._foreach_lerp_(factors, [x.mean(dim=dim, keepdim=True) for x in v_hat], weight)
-        for r, c, x in zip(rows, cols, v_hat):
-            torch.mul(r, c, out=x)  # the outer product R_t C_t
-        mean_r = [r.mean(dim=-2, keepdim=True) for r in rows]
-        torch._foreach_clamp_min_(mean_r, eps1)
-        torch._foreach_div_(v_hat, mean_r)
+        v_hat = []
+        for p, g, w, e in zip(params, grads, weight, eps1, strict=True):
+            r, c = self.factors(p)
+            v = g * g  # G_t^2
+            r.lerp_(v.mean(dim=-1, keepdim=True), w)  # R_t
+            c.lerp_(v.mean(dim=-2, keepdim=True), w)  # C_t
+            torch.mul(r, c, out=v)  # the outer product R_t C_t
+            v_hat.append(v.div_(r.mean(dim=-2, keepdim=True).clamp_min_(e)))
         return v_hat
