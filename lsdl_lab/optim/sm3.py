@@ -94,31 +94,25 @@ class SM3(Optimizer):
             w_t = w_{t-1} - \eta\, m_t
         """
         lr, mu, eps = group["lr"], group["momentum"], group["eps"]
-        covers = [self.accumulators(p) for p in params]
-        # The minimum over the covers broadcasts accumulators of different shapes: one call
-        # per tensor. A vector's (or scalar's) nu_t is its accumulator itself, updated in
-        # place: the maximum over no other dimension is the identity (Adagrad).
-        nu = [acc[0] if len(acc) == 1 else _minimum(acc) for acc in covers]
-        torch._foreach_addcmul_(nu, grads, grads)
-        for acc, nu_t in zip(covers, nu):
-            if len(acc) == 1:
-                continue
-            for r, mu_r in enumerate(acc):
-                others = [s for s in range(nu_t.dim()) if s != r]
-                torch.amax(nu_t, dim=others, keepdim=True, out=mu_r)
-        # u_t is built in nu_t's memory, a temporary for matrices, a copy of the state for
-        # vectors: a new temporary the size of the model costs a pass of fresh memory
-        # (measured 1.4x the step at 10M parameters)
-        u = [nu_t if len(acc) > 1 else nu_t.clone() for acc, nu_t in zip(covers, nu)]
-        del nu
-        torch._foreach_add_(u, eps)
-        torch._foreach_rsqrt_(u)
-        torch._foreach_mul_(u, grads)
-        if mu > 0:
-            m = self.buffer(params, "momentum_buffer")
-            torch._foreach_lerp_(m, u, 1 - mu)
-            u = m
-        add_scaled_(params, u, -lr)
+        # Layer by layer: each layer's arrays stay in the caches from nu_t to the step, and
+        # compiled, nu_t is recomputed in the loops of the maxima and of the step instead of
+        # stored (a _foreach chain would store it: 1.5x the minimum traffic)
+        for w, g, acc in zip(params, grads, (self.accumulators(p) for p in params), strict=True):
+            # A vector's (or scalar's) nu_t is its accumulator itself, updated in place: the
+            # maximum over no other dimension is the identity (Adagrad)
+            nu = acc[0] if len(acc) == 1 else _minimum(acc)
+            nu.addcmul_(g, g)
+            for r, mu_r in enumerate(acc if len(acc) > 1 else []):
+                others = [s for s in range(nu.dim()) if s != r]
+                torch.amax(nu, dim=others, keepdim=True, out=mu_r)
+            # u_t is built in nu_t's memory, a temporary for a matrix, a copy of the state for
+            # a vector: a new temporary the size of the model costs a pass of fresh memory
+            u = nu if len(acc) > 1 else nu.clone()
+            u.add_(eps).rsqrt_().mul_(g)
+            if mu > 0:
+                m = self.buffer([w], "momentum_buffer")[0]
+                u = m.lerp_(u, 1 - mu)
+            add_scaled_([w], [u], -lr)
 
 
 def _minimum(accumulators: list[Tensor]) -> Tensor:
