@@ -73,6 +73,17 @@ CASES = {
 }  # fmt: skip
 
 
+def compiler_settings() -> tuple:
+    """The process's settings that the compiled path changes while it compiles (dynamo's
+    recompile limit) or for its graphs alone (TorchInductor's size asserts)."""
+    import torch._inductor.config
+
+    return torch._dynamo.config.recompile_limit, torch._inductor.config.size_asserts
+
+
+SETTINGS = compiler_settings()
+
+
 def make(name: str, model, compile: bool):
     return CASES[name](model, compile)
 
@@ -215,6 +226,7 @@ def test_compiled_equals_eager_with_one_graph_per_group(name):
     # 100 steps, a new learning rate and step count in each: one graph per group, no more
     assert opt.compiled.compiles == len(opt.param_groups)
     assert opt.compiled.compile_seconds > 0
+    assert compiler_settings() == SETTINGS  # restored after every step, not left changed
     # every power of a step count (a bias correction) is computed once per step, outside the
     # loops over the elements
     for graph in opt.compiled.graphs:
@@ -318,6 +330,7 @@ def test_an_operation_the_compiler_rejects_warns_once_and_runs_eagerly():
     assert len(caught) == 1
     assert "RejectedSGD(compile=True): torch.compile could not compile" in str(caught[0].message)
     assert compiled[1].compiled.failure is not None and compiled[1].compiled.compiles == 0
+    assert compiler_settings() == SETTINGS  # restored after the failed compile too
     assert_same_models(eager[0], compiled[0])
 
 
