@@ -11,7 +11,6 @@ the others return new tensors (or, where they say so, update buffers given to th
 * :func:`momentum`: the heavy-ball or Nesterov direction from a momentum buffer (SGD, LARS).
 * :func:`adam_moments_`: Adam's two exponential averages (Adam, NAdam, LAMB).
 * :func:`adam_denominator`: :math:`\sqrt{\hat v_t} + \epsilon` (Adam, NAdam, LAMB).
-* :func:`adam_ratio`: :math:`\hat m_t / (\sqrt{\hat v_t} + \epsilon)` (LAMB's :math:`r_t`).
 
 And the operations whose scalars are per-step values (a learning rate, a bias correction):
 on the compiled path (:mod:`lsdl_lab.optim.compiled`) these are 0-d tensors, which the
@@ -33,7 +32,6 @@ __all__ = [
     "addcdiv_",
     "adam_denominator",
     "adam_moments_",
-    "adam_ratio",
     "coupled_weight_decay",
     "decoupled_weight_decay_",
     "host_scalars",
@@ -134,26 +132,3 @@ def adam_denominator(v: list[Tensor], bc2: list[float], eps: float) -> list[Tens
     torch._foreach_div_(denom, [c**0.5 for c in bc2])
     torch._foreach_add_(denom, eps)
     return denom
-
-
-def adam_ratio(
-    m: list[Tensor], v: list[Tensor], bc1: list[float], bc2: list[float], eps: float
-) -> list[Tensor]:
-    r""":math:`\hat m_t / (\sqrt{\hat v_t} + \epsilon)` with :math:`\hat m_t = m_t / c_1` and
-    :math:`\hat v_t = v_t / c_2`, a new list; ``bc1`` and ``bc2`` hold each tensor's
-    corrections :math:`c_1 = 1 - \beta_1^t`, :math:`c_2 = 1 - \beta_2^t` (or 1 for none).
-
-    Built in one temporary, from :math:`\sqrt{\hat v_t} + \epsilon =
-    (\sqrt{v_t} + \epsilon\sqrt{c_2}) / \sqrt{c_2}`, with four passes over it. ``m`` is
-    divided into the denominator's own memory, one tensor at a time: no ``_foreach``
-    operation writes its result into the divisor, and the alternatives cost more at 10M
-    parameters on CPU: a second model-sized temporary (fresh memory, 1.4x slower) or a
-    reciprocal then a product (one more pass, about 3% of LAMB's step).
-    """
-    sqrt_c2 = [c**0.5 for c in bc2]
-    r = torch._foreach_sqrt(v)
-    torch._foreach_add_(r, [eps * s for s in sqrt_c2])  # sqrt(c2) (sqrt(v_hat) + eps)
-    torch._foreach_mul_(r, [c1 / s for c1, s in zip(bc1, sqrt_c2)])  # c1 (sqrt(v_hat) + eps)
-    for m_i, r_i in zip(m, r, strict=True):
-        torch.div(m_i, r_i, out=r_i)
-    return r
