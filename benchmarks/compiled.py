@@ -593,8 +593,9 @@ def why_slow(row: Row, compiled: Impl, n: int) -> str:
         f"its kernels move the minimum ({moved:.1f} B/param by TorchInductor's count, "
         f"{kernels}), {at_roof:.2f} ms at B\\*: the other {compiled.ms - at_roof:.2f} ms of "
         f"its {compiled.ms:.2f} ms are not memory traffic (arithmetic in the kernels' loops, "
-        "or the fixed cost of a compiled call: dynamo's guards over every tensor and one "
-        "kernel call per tensor)"
+        "or the fixed cost of a compiled call: dynamo's guards and its rebuilding of the "
+        "inputs, one entry per tensor and state, and the Python wrapper around the few C++ "
+        "functions that hold every tensor's loops)"
     )
 
 
