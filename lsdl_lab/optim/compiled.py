@@ -132,9 +132,8 @@ class CompiledUpdate:
             # each state dict looked up once: a lookup hashes its tensor in Python
             states = [opt.state[p] for p in params]
             steps = array("d", [state["step"] + 1 for state in states])
-            # from the buffer: 2.5x quicker than torch.tensor reads a list of Python numbers
-            opt.step_counts = torch.frombuffer(steps, dtype=torch.float64).to(device)
-        self.per_step = (scalars["lr"], opt.step_counts) if counts else (scalars["lr"],)
+            opt.step_counts, count_input = step_counts(steps, device)
+        self.per_step = (scalars["lr"], count_input) if counts else (scalars["lr"],)
         before, start = self.compiles, time.perf_counter()
         config = torch._dynamo.config
         limit = config.recompile_limit  # set and restored directly: config.patch costs 40 us
@@ -156,6 +155,21 @@ class CompiledUpdate:
         if counts:
             for state, k in zip(states, steps):
                 state["step"] = int(k)
+
+
+def step_counts(steps: array, device) -> tuple[list[Tensor] | Tensor, Tensor]:
+    """The step counts as the graph reads them (one 0-d tensor per parameter), and the
+    tensor they come from. When all counts are equal (the usual case) every parameter gets
+    the same 0-d tensor: the graph then has one count and computes each bias correction
+    once, not once per tensor (:func:`compute_once` merges the copies). Unequal counts (a
+    parameter that missed steps) are the elements of one tensor, and compile a second
+    graph."""
+    if len(set(steps)) == 1:
+        count = torch.tensor(steps[0], dtype=torch.float64, device=device)
+        return [count] * len(steps), count
+    # from the buffer: 2.5x quicker than torch.tensor reads a list of Python numbers
+    counts = torch.frombuffer(steps, dtype=torch.float64).to(device)
+    return counts, counts
 
 
 @torch.library.custom_op("lsdl_lab::computed_once", mutates_args=())
@@ -207,6 +221,7 @@ def compute_once(
             derived.add(node)
     if any(set(written(node)) & derived for node in g.nodes if mutates(node)):
         return graph  # an update that changes its lr or counts in place: left as it is
+    merge_copies(g, derived - set(sources))
     needed = [
         node for node in g.nodes
         if node in derived and node not in sources and is_small(node, limit, tensor=True)
@@ -240,6 +255,23 @@ def compute_once(
                 offset += value.numel()
     g.lint()
     return fx.GraphModule(graph, g)
+
+
+def merge_copies(g: fx.Graph, nodes: set[fx.Node]) -> None:
+    """Replace each of ``nodes`` that repeats an earlier one (the same operation on the same
+    arguments) by that one: an update computes its bias corrections once per tensor, from
+    the same count when the counts are equal (:func:`step_counts`)."""
+    seen: dict[tuple, fx.Node] = {}
+    for node in list(g.nodes):
+        if node not in nodes:
+            continue
+        key = (node.op, node.target, repr(node.args), repr(node.kwargs))
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            g.erase_node(node)
+            nodes.discard(node)
+        else:
+            seen[key] = node
 
 
 def mutates(node: fx.Node) -> bool:

@@ -2,10 +2,11 @@ r"""What LARS and LAMB share: the layer-wise trust ratio and the layer-wise para
 
 Both optimizers rescale each layer's (each parameter tensor's) step by a *trust ratio*
 that makes it a fixed fraction of the layer's weight norm (You, Gitman and Ginsburg, 2017;
-You et al., 2020), in one form that covers both papers (:func:`ratio_of_norms`), for one
-layer (:func:`layer_trust_ratio`, which both optimizers call) or a list of layers
-(:func:`trust_ratio`, which the Lab 4b checker calls). :func:`param_groups_for_layerwise`
-leaves biases and normalization parameters out of the adaptation and the decay.
+You et al., 2020), in one form that covers both papers (:func:`ratio_of_norms`), for a list
+of layers in one multi-tensor pass (:func:`trust_ratio`: LARS and the Lab 4b checker) or for
+one layer (:func:`layer_trust_ratio`: LAMB, whose update runs layer by layer).
+:func:`param_groups_for_layerwise` leaves biases and normalization parameters out of the
+adaptation and the decay.
 """
 
 from __future__ import annotations

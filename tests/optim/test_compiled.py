@@ -240,10 +240,32 @@ def test_compiled_equals_eager_with_one_graph_per_group(name):
 
 def test_adams_bias_corrections_are_computed_once_per_step():
     opt = runs("Adam")[1][1]
-    # two per tensor (1 - beta1^t and 1 - beta2^t) and the square root of the second, at
-    # least: all of them before the loops
+    # every tensor's count is the same: beta1^t, beta2^t and the square root of 1 - beta2^t
+    # once for the group, not once per tensor, and before the loops
     pows, outside = powers_outside_the_loops(opt.compiled.graphs[0])
-    assert pows >= 2 * len(opt.param_groups[0]["params"]) and outside == pows
+    assert len(opt.param_groups[0]["params"]) > 1 and pows == outside == 3
+
+
+def test_unequal_step_counts_get_their_own_bias_corrections():
+    # b misses step 3, so from step 4 on its count is one behind a's: a second graph, with
+    # each tensor's corrections from its own count (each still computed once, before the
+    # loops), and the eager path's results
+    results = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        a, b = (nn.Parameter(torch.randn(3, 4, dtype=torch.float64)) for _ in range(2))
+        opt = optim.Adam([a, b], lr=0.1, compile=compile)
+        for step in range(6):
+            for p in (a, b):
+                p.grad = None if (p is b and step == 2) else torch.sin(p.detach() * (step + 1))
+            opt.step()
+        results.append((a.detach(), b.detach(), opt.state[a]["step"], opt.state[b]["step"]))
+    assert results[0][2:] == results[1][2:] == (6, 5)
+    for x, y in zip(results[0][:2], results[1][:2]):
+        torch.testing.assert_close(x, y, **TOLERANCE[torch.float64])
+    graphs = opt.compiled.graphs
+    assert opt.compiled.compiles == len(graphs) == 3  # [a, b] equal, [a], [a, b] unequal
+    assert [powers_outside_the_loops(g) for g in graphs] == [(3, 3), (3, 3), (6, 6)]
 
 
 def test_a_changed_learning_rate_changes_the_compiled_step():
