@@ -21,11 +21,13 @@ What makes one graph serve every step:
 * **and they are computed once per step.** TorchInductor inlines a scalar expression into
   every loop that reads it: left alone, it would recompute ``1 - beta1**t`` for every
   element of every tensor (the C++ compiler may not hoist ``pow`` out of the loop: it can
-  set ``errno``), which made Adam's compiled step 4.8x slower than torch's fused kernel.
-  So before compiling, :func:`compute_once` finds the values the graph derives from the
-  per-step inputs alone (lr and the counts, through any arithmetic on them) and passes
-  them, packed in one tensor, through :func:`computed_once`, an identity the compiler
-  cannot see into: they are computed once, before the loops, which read them from memory.
+  set ``errno``), which made Adam's compiled step 4.8x slower than torch's fused kernel;
+  LARS's loops recomputed each layer's trust ratio from its norms, a division per element.
+  So before compiling, :func:`compute_once` finds the small values the graph computes from
+  the per-step inputs (lr and the counts, through any arithmetic on them: computed once per
+  group, not once per tensor) or from reductions (norms, means, and any arithmetic on them:
+  trust ratios, RMS), and passes each through :func:`computed_once`, which makes
+  TorchInductor store it: it is computed once, before the loops, which read it from memory.
   No ``update`` knows of this; each keeps computing its scalars where its equations do.
 * **The first step of a group runs eagerly.** It creates the state; every later step finds
   the state it reads, so the graph is the same from step to step. The state stays what the
@@ -172,89 +174,117 @@ def step_counts(steps: array, device) -> tuple[list[Tensor] | Tensor, Tensor]:
     return counts, counts
 
 
-@torch.library.custom_op("lsdl_lab::computed_once", mutates_args=())
 def computed_once(values: Tensor) -> Tensor:
-    """The identity, as an operation the compiler cannot see into (a custom operator is
-    called as it is): ``values`` is computed before the call, once, and every loop that reads
-    the result after it reads memory, instead of recomputing ``values`` per element."""
-    return values.clone()
+    """``values`` itself (a view of all of it): in a graph compiled by TorchInductor, a value
+    that its loops read from memory, computed once before them, instead of recomputing it
+    for every element they visit.
 
-
-@computed_once.register_fake
-def _(values: Tensor) -> Tensor:
-    return torch.empty_like(values)
+    TorchInductor inlines a pointwise value into each loop that reads it, unless the value is
+    *realized* (stored in a buffer of its own); a strided view of a value needs its storage,
+    so ``as_strided`` realizes it. Eagerly it is a view, which costs nothing."""
+    return values.as_strided(values.shape, values.stride(), values.storage_offset())
 
 
 # In-place operations whose names do not end in an underscore
 IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
             operator.ipow}  # fmt: skip
 
+# Values of at most this many elements, computed from the per-step inputs or from
+# reductions, are computed once (trust ratios, RMS, norms' ratios, factored means)
+SMALL = 4096
+
 
 def compute_once(
     graph: fx.GraphModule, example_inputs: Sequence, per_step: Sequence[Tensor]
 ) -> fx.GraphModule:
-    """``graph`` (traced by dynamo) with the values it derives from the tensors ``per_step``
-    alone computed once, before its loops: a new graph, or ``graph`` itself when there are
-    none.
+    """``graph`` (traced by dynamo) with its small values computed once, before the loops that
+    read them: a new graph, or ``graph`` itself when there are none.
 
-    A value is derived from the per-step inputs (the learning rate, the step counts) when
-    every input of the operation that makes it is one of them or another such value, the
-    operation changes nothing in place, and its value is no larger than they are: bias
-    corrections, Adafactor's relative step, NAdam's momentum schedule. Those the rest of the
-    graph reads are packed into one tensor per dtype, which passes through
-    :func:`computed_once`; the loops read them from it.
+    Two kinds of values, each of at most :data:`SMALL` elements, made by operations that
+    change nothing in place:
+
+    * those derived from the tensors ``per_step`` alone (the learning rate, the step counts:
+      bias corrections, Adafactor's relative step, NAdam's momentum schedule), through any
+      arithmetic on them; the same operation on the same values is kept once
+      (:func:`merge_copies`: an update that computes a bias correction per tensor, from one
+      count, computes it once);
+    * those computed from reductions of the large arrays (norms, means) and from such values:
+      LARS's and LAMB's trust ratios, Adafactor's RMS and clipping.
+
+    Each one the rest of the graph reads passes through :func:`computed_once`, and the loops
+    read it from memory. A value changed in place later is left as it is: its readers after
+    the change must see the change.
     """
     inputs = graph.graph.find_nodes(op="placeholder")
-    sources = [node for node, x in zip(inputs, example_inputs) if any(x is y for y in per_step)]
-    if not sources:
-        return graph
+    sources = {node for node, x in zip(inputs, example_inputs) if any(x is y for y in per_step)}
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     g.output(g.graph_copy(graph.graph, env))
-    sources = [env[node] for node in sources]
-    limit = max(x.numel() for x in per_step)
-    derived = set(sources)
+    sources = {env[node] for node in sources}
+    written_nodes = {x for node in g.nodes if mutates(node) for x in written(node)}
+    derived = set(sources)  # from the per-step inputs alone
     for node in g.nodes:
-        if (node.op in ("call_function", "call_method") and node.all_input_nodes
-                and all(x in derived for x in node.all_input_nodes)
-                and not mutates(node) and is_small(node, limit)):  # fmt: skip
+        if computes(node) and node.all_input_nodes and set(node.all_input_nodes) <= derived:
             derived.add(node)
-    if any(set(written(node)) & derived for node in g.nodes if mutates(node)):
-        return graph  # an update that changes its lr or counts in place: left as it is
-    merge_copies(g, derived - set(sources))
-    needed = [
-        node for node in g.nodes
-        if node in derived and node not in sources and is_small(node, limit, tensor=True)
-        and any(user not in derived for user in node.users)
-    ]  # fmt: skip
-    if not needed:
+    if derived & written_nodes:
+        derived = set(sources)  # an update that changes its lr or counts in place
+    merge_copies(g, derived - sources)
+    once = set(derived)  # and from reductions
+    for node in g.nodes:
+        if node in once or not computes(node) or not node.all_input_nodes:
+            continue
+        if reduces(node) or set(node.all_input_nodes) <= once:
+            once.add(node)
+    once -= written_nodes
+    made = []
+    for node in [node for node in g.nodes if node in once and node not in sources]:
+        readers = [user for user in node.users if user not in once]
+        # a reduction's result is in memory already: TorchInductor stores every reduction
+        if reduces(node) or not readers or not is_small(node, tensor=True):
+            continue
+        with g.inserting_after(node):
+            stored = g.call_function(computed_once, (node,))
+        stored.meta = dict(node.meta)
+        node.replace_all_uses_with(stored, lambda user, readers=readers: user in readers)
+        made.append(stored)
+    if not made:
         return graph
-    # They depend on the inputs alone: move them before everything else, in their order
-    anchor = env[inputs[-1]]
-    for node in [node for node in g.nodes if node in derived and node not in sources]:
-        anchor.append(node)
-        anchor = node
-    by_dtype: dict[tuple, list[fx.Node]] = {}
-    for node in needed:
-        value = node.meta["example_value"]
-        by_dtype.setdefault((value.dtype, value.device), []).append(node)
-    with g.inserting_before(anchor.next):
-        made = set()
-        for nodes in by_dtype.values():
-            flat = [g.call_method("reshape", (node, -1)) for node in nodes]
-            packed = g.call_function(torch.cat, (flat,))
-            packed = g.call_function(torch.ops.lsdl_lab.computed_once.default, (packed,))
-            made.update([*flat, *packed.all_input_nodes, packed])
-            offset = 0
-            for node in nodes:
-                value = node.meta["example_value"]
-                piece = g.call_method("narrow", (packed, 0, offset, value.numel()))
-                view = g.call_method("view", (piece, tuple(value.shape)))
-                made.update([piece, view])
-                node.replace_all_uses_with(view, lambda user: user not in derived | made)
-                offset += value.numel()
     g.lint()
     return fx.GraphModule(graph, g)
+
+
+def computes(node: fx.Node) -> bool:
+    """Whether ``node`` is an operation that makes a new small value: not in place, not a
+    view of another value (a view follows the changes of what it views), and small."""
+    return (
+        node.op in ("call_function", "call_method")
+        and not mutates(node)
+        and is_small(node)
+        and not (is_view(node) and not all(x.op == "placeholder" for x in node.all_input_nodes))
+    )
+
+
+def reduces(node: fx.Node) -> bool:
+    """Whether ``node``'s values have fewer elements than one of its inputs: a reduction (a
+    norm, a mean), or an element picked out of a larger tensor."""
+    if node.target is operator.getitem:
+        return False  # one tensor of a list (or a view: never a new value)
+    largest = [max(numels(x), default=0) for x in node.all_input_nodes]
+    return max(numels(node), default=0) < max(largest, default=0)
+
+
+def numels(node: fx.Node) -> list[int]:
+    """The number of elements of each tensor in ``node``'s value (a tensor or a list)."""
+    value = node.meta.get("example_value")
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [x.numel() for x in values if isinstance(x, Tensor)]
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s value (or one of its values) is a view of another tensor."""
+    value = node.meta.get("example_value")
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return any(isinstance(x, Tensor) and x._is_view() for x in values)
 
 
 def merge_copies(g: fx.Graph, nodes: set[fx.Node]) -> None:
@@ -282,6 +312,8 @@ def mutates(node: fx.Node) -> bool:
         schema = getattr(node.target, "_schema", None)
         if node.target in IN_PLACE or (schema is not None and schema.is_mutable):
             return True
+        if getattr(node.target, "__module__", None) in ("operator", "_operator"):
+            return False  # operator.and_, operator.or_: x & y, x | y
         name = getattr(node.target, "__name__", "")
     else:
         return False
@@ -295,7 +327,7 @@ def written(node: fx.Node) -> list[fx.Node]:
     return found
 
 
-def is_small(node: fx.Node, limit: int, tensor: bool = False) -> bool:
+def is_small(node: fx.Node, limit: int = SMALL, tensor: bool = False) -> bool:
     """Whether ``node``'s value is a tensor (or, unless ``tensor``, a list of tensors) of at
     most ``limit`` elements each, with a known shape."""
     value = node.meta.get("example_value")

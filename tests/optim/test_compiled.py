@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import operator
 import os
+import re
 import warnings
 
 import pytest
@@ -34,7 +35,7 @@ from torch import nn
 
 from lsdl_lab import optim
 from lsdl_lab.models import MLP
-from lsdl_lab.optim.compiled import CompileWarning
+from lsdl_lab.optim.compiled import CompileWarning, computed_once
 
 STEPS = 100
 SWITCH = 50  # the step at which a run changes path
@@ -209,9 +210,7 @@ def ancestors(node) -> set:
 def powers_outside_the_loops(graph) -> tuple[int, int]:
     """The ``pow`` operations of a compiled graph, and how many of them feed the values that
     are computed once per step (:func:`~lsdl_lab.optim.compiled.computed_once`) alone."""
-    once = graph.graph.find_nodes(
-        op="call_function", target=torch.ops.lsdl_lab.computed_once.default
-    )
+    once = graph.graph.find_nodes(op="call_function", target=computed_once)
     before = set().union(*(ancestors(node) for node in once))
     pows = [n for n in graph.graph.nodes if n.target in (operator.pow, torch.pow, "pow")]
     return len(pows), sum(n in before for n in pows)
@@ -266,6 +265,57 @@ def test_unequal_step_counts_get_their_own_bias_corrections():
     graphs = opt.compiled.graphs
     assert opt.compiled.compiles == len(graphs) == 3  # [a, b] equal, [a], [a, b] unequal
     assert [powers_outside_the_loops(g) for g in graphs] == [(3, 3), (3, 3), (6, 6)]
+
+
+def lines_in_element_loops(code: str, pattern: str, sizes: set[int]) -> tuple[int, int]:
+    """How many lines of TorchInductor's C++ ``code`` hold ``pattern`` inside a loop over the
+    elements of a parameter (a loop whose bound is one of ``sizes``), and how many elsewhere
+    (before the loops, or in a loop over the layers)."""
+    inside = elsewhere = 0
+    blocks: list[bool] = []  # for each open brace: whether it opened an element loop's body
+    opens = False
+    for line in code.splitlines():
+        text = line.strip()
+        if text.startswith("for("):
+            bound = re.search(r"<static_cast<int64_t>\((\d+)L\)", text)
+            opens = bound is not None and int(bound.group(1)) in sizes
+        elif text == "{":
+            blocks.append(opens)
+            opens = False
+        elif text.startswith("}"):
+            if blocks:
+                blocks.pop()
+        elif pattern in text:
+            inside += any(blocks)
+            elsewhere += not any(blocks)
+    return inside, elsewhere
+
+
+@pytest.mark.parametrize(
+    "make_opt, pattern",
+    [
+        (lambda ps: optim.Adam(ps, lr=1e-2, compile=True), "std::pow("),
+        (lambda ps: optim.LARS(ps, lr=0.1, weight_decay=1e-4, compile=True), " / "),
+    ],
+    ids=["Adam", "LARS"],
+)  # fmt: skip
+def test_loops_read_the_scalars_computed_once(make_opt, pattern):
+    # Adam's bias corrections (powers of the step count) and LARS's trust ratios (divisions
+    # of norms; LARS's loops divide nothing else) are computed before the loops over the
+    # parameters' elements, which read them: their code is never inside those loops
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(40, 24)), nn.Parameter(torch.randn(24))]
+    opt = make_opt(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # eager: creates the state
+    _, codes = run_and_get_code(opt.step)
+    assert opt.compiled.compiles == 1
+    counts = [lines_in_element_loops(code, pattern, {960, 24}) for code in codes]
+    assert sum(inside for inside, _ in counts) == 0 and sum(n for _, n in counts) >= 1
+    assert any("960L" in code for code in codes)  # the element loops were found
 
 
 def test_a_changed_learning_rate_changes_the_compiled_step():
