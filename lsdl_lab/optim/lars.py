@@ -37,9 +37,11 @@ Variant choices, and how they compare:
   for a constant rate, and under a schedule ours is the paper's with Goyal et al.'s (2017)
   *momentum correction*. With ``trust=False`` the update is :class:`~lsdl_lab.optim.SGD`
   with momentum and weight decay, operation for operation.
-* **In place**: the step builds :math:`\tau_t d_t` in the gradient's own memory, so it
-  leaves :math:`\tau_t (g_t + \lambda w_{t-1})` in ``p.grad`` (as pytorch-optimizer's LARS
-  does); a copy the size of the model on every step was the slowest part of the update.
+* **In place**: the eager step builds :math:`\tau_t d_t` in the gradient's own memory, so
+  it leaves :math:`\tau_t (g_t + \lambda w_{t-1})` in ``p.grad`` (as pytorch-optimizer's
+  LARS does); a copy the size of the model on every step was the slowest part of the
+  update. The compiled step (``compile=True``) leaves ``p.grad`` as it was: there the
+  temporary is fused away, and writing ``p.grad`` would cost a store.
 * **Excluded layers**: biases and normalization parameters are usually left out of the
   adaptation and the decay (the authors' TensorFlow LARS and LAMB exclude from adaptation
   what they exclude from weight decay; timm adapts only groups with weight decay;
@@ -55,7 +57,7 @@ import torch
 from .._util import check_positive, check_real
 from .base import Optimizer
 from .layerwise import trust_ratio
-from .pieces import add_scaled_, coupled_weight_decay, momentum
+from .pieces import add_scaled_, coupled_weight_decay, momentum, reuse_memory
 
 __all__ = ["LARS"]
 
@@ -117,10 +119,13 @@ class LARS(Optimizer):
                 params, grads, trust_coefficient=group["trust_coefficient"],
                 weight_decay=lam, eps=group["eps"],
             )  # fmt: skip
-            d = grads
-            if lam:
-                torch._foreach_add_(d, params, alpha=lam)
-            torch._foreach_mul_(d, tau)
+            if reuse_memory():
+                d = grads
+                if lam:
+                    torch._foreach_add_(d, params, alpha=lam)
+                torch._foreach_mul_(d, tau)
+            else:
+                d = torch._foreach_mul(coupled_weight_decay(grads, params, lam), tau)
         else:  # SGD's weight decay, operation for operation: p.grad is left as it was
             d = coupled_weight_decay(grads, params, lam)
         if mu:

@@ -36,6 +36,7 @@ __all__ = [
     "decoupled_weight_decay_",
     "host_scalars",
     "momentum",
+    "reuse_memory",
     "smaller",
 ]
 
@@ -99,16 +100,26 @@ def momentum(
 
     ``first`` says that ``b`` was just created as a copy of ``d`` (torch.optim's undamped
     first buffer). With Nesterov the direction is built in ``d``'s own memory, as
-    torch.optim does: ``d`` is not needed after the step, and a new temporary the size of
-    the model costs a full pass of fresh memory (measured 1.2-1.7x slower).
+    torch.optim does, where :func:`reuse_memory` allows it.
     """
     if not first:
         torch._foreach_mul_(b, mu)
         torch._foreach_add_(b, d, alpha=1 - dampening)
     if not nesterov:
         return b
+    if not reuse_memory():
+        return torch._foreach_add(d, b, alpha=mu)
     torch._foreach_add_(d, b, alpha=mu)
     return d
+
+
+def reuse_memory() -> bool:
+    """Whether an update should build a temporary in the memory of one it no longer needs
+    (the direction in the gradient's memory): yes eagerly, where a new temporary the size of
+    the model costs a full pass of fresh memory (measured 1.2-1.7x slower); no on the
+    compiled path, where TorchInductor fuses a temporary into the loop that reads it (it is
+    never stored) and writing into the gradient would add a store to that loop."""
+    return not torch.compiler.is_compiling()
 
 
 def adam_moments_(

@@ -15,7 +15,8 @@ Heavy ball is Polyak's (1964) method in the form torch.optim and most libraries 
 Nesterov's look-ahead is written in the form of Sutskever et al. (2013), which
 evaluates the gradient at the current weights. The first buffer is the first gradient
 undamped, as in torch.optim, so that results agree step for step. Like torch.optim,
-Nesterov's update leaves :math:`d_t` in the gradient buffer ``p.grad``.
+Nesterov's eager update leaves :math:`d_t` in the gradient buffer ``p.grad``; the compiled
+one (``compile=True``) leaves ``p.grad`` as it was (:func:`~.pieces.reuse_memory`).
 """
 
 from __future__ import annotations
