@@ -185,15 +185,15 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            for p in params:
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            grads = [p.grad for p in params]
+            if any(g.is_sparse for g in grads):
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             if not params:
                 continue
             if self.compiled is not None:
-                self.compiled(group, params, [p.grad for p in params])
+                self.compiled(group, params, grads)
             elif self.foreach:
-                self.update(group, params, [p.grad for p in params])
+                self.update(group, params, grads)
             else:
                 for p in params:
                     self.update(group, [p], [p.grad])

@@ -123,9 +123,9 @@ class CompiledUpdate:
 
     def __call__(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         opt = self.optimizer
-        if self.failure is not None or not all(id(p) in self.warm for p in params):
+        if self.failure is not None or not self.warm.issuperset(map(id, params)):
             opt.update(group, params, grads)  # creates the state the graph will read
-            self.warm.update(id(p) for p in params)
+            self.warm.update(map(id, params))
             return
         device = params[0].device
         counts = "step" in opt.state.get(params[0], {})
