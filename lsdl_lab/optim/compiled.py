@@ -182,7 +182,7 @@ def computed_once(values: Tensor) -> Tensor:
     TorchInductor inlines a pointwise value into each loop that reads it, unless the value is
     *realized* (stored in a buffer of its own); a strided view of a value needs its storage,
     so ``as_strided`` realizes it. Eagerly it is a view, which costs nothing."""
-    return values.as_strided(values.shape, values.stride(), values.storage_offset())
+    return values.as_strided(values.shape, values.stride())
 
 
 # In-place operations whose names do not end in an underscore
