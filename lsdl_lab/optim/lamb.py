@@ -62,10 +62,20 @@ from collections.abc import Sequence
 import torch
 
 from .base import Optimizer
-from .layerwise import layer_trust_ratio
-from .pieces import adam_denominator, adam_moments_, addcdiv_, decoupled_weight_decay_
+from .layerwise import ratio_of_norms
+from .pieces import (
+    adam_denominator,
+    adam_moments_,
+    addcdiv_,
+    decoupled_weight_decay_,
+    host_scalars,
+)
 
 __all__ = ["LAMB"]
+
+# Elements in a run of layers whose trust ratios are computed together: its five arrays
+# (w, g, m, v, u: 5 MiB in float32) stay in the caches from the moments to the step
+RUN_SIZE = 2**18
 
 
 def check_clamp(clamp) -> tuple[float, float] | None:
@@ -144,12 +154,39 @@ class LAMB(Optimizer):
         # its moments to its step (2x faster than a _foreach pass per line at 10M
         # parameters), and compiled, each layer becomes two loops, the moments with the two
         # norms, then the step (u_t recomputed, never stored): the least memory traffic.
-        for w, g, m_i, v_i, c1, c2 in zip(params, grads, m, v, bc1, bc2, strict=True):
-            m_i.lerp_(g, 1 - beta1)  # m_t
-            v_i.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v_t
-            u = torch.div(v_i, c2).sqrt_().add_(eps).mul_(c1)  # c1 (sqrt(v_hat) + eps)
-            torch.div(m_i, u, out=u)  # r_t = m_hat / (sqrt(v_hat) + eps), in u's memory
-            if lam:
-                u.add_(w, alpha=lam)  # u_t = r_t + lam w
-            tau = layer_trust_ratio(w, u, group["clamp"])  # phi(||w||) / ||u||
-            w.sub_(u.mul_(lr * tau))  # w -= lr tau u
+        # The trust ratios of a run of small consecutive layers are computed together, one
+        # pass of small operations for the run instead of one per layer (eagerly, Lab 4b's
+        # GPT of 28 tensors: 4.8 -> 3.2 ms a step, interleaved at load 3).
+        # r_t is computed as (sqrt(c2) / c1) m_t / (sqrt(v_t) + sqrt(c2) eps), the same
+        # value with one division per element instead of two (v_t / c2 is gone)
+        for run in layer_runs(params):
+            ws, us = [params[i] for i in run], []
+            for i in run:
+                w, g, m_i, v_i, c1, c2 = params[i], grads[i], m[i], v[i], bc1[i], bc2[i]
+                m_i.lerp_(g, 1 - beta1)  # m_t
+                v_i.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v_t
+                u = torch.sqrt(v_i).add_(eps * c2**0.5)  # sqrt(c2) (sqrt(v_hat) + eps)
+                torch.div(m_i, u, out=u)  # in u's memory
+                if group["bias_correction"]:
+                    u.mul_(c2**0.5 / c1)  # r_t = m_hat / (sqrt(v_hat) + eps)
+                if lam:
+                    u.add_(w, alpha=lam)  # u_t = r_t + lam w
+                us.append(u)
+            w_norm = torch.stack([torch.linalg.vector_norm(w) for w in ws])
+            u_norm = torch.stack([torch.linalg.vector_norm(u) for u in us])
+            tau = host_scalars(ratio_of_norms(w_norm, u_norm, group["clamp"]))  # phi(||w||)/||u||
+            for w, u, tau_i in zip(ws, us, tau, strict=True):
+                w.sub_(u.mul_(lr * tau_i))  # w -= lr tau u
+
+
+def layer_runs(params: list[torch.Tensor], size: int = RUN_SIZE) -> list[list[int]]:
+    """The indices of ``params`` in runs of consecutive tensors of at most ``size`` elements
+    in all (a larger tensor is a run of its own)."""
+    runs, run, n = [], [], 0
+    for i, p in enumerate(params):
+        if run and n + p.numel() > size:
+            runs.append(run)
+            run, n = [], 0
+        run.append(i)
+        n += p.numel()
+    return [*runs, run] if run else runs

@@ -4,7 +4,8 @@ Both optimizers rescale each layer's (each parameter tensor's) step by a *trust 
 that makes it a fixed fraction of the layer's weight norm (You, Gitman and Ginsburg, 2017;
 You et al., 2020), in one form that covers both papers (:func:`ratio_of_norms`), for a list
 of layers in one multi-tensor pass (:func:`trust_ratio`: LARS and the Lab 4b checker) or for
-one layer (:func:`layer_trust_ratio`: LAMB, whose update runs layer by layer).
+one layer (:func:`layer_trust_ratio`; LAMB, whose update runs layer by layer, applies
+:func:`ratio_of_norms` to the norms of a run of layers at once).
 :func:`param_groups_for_layerwise` leaves biases and normalization parameters out of the
 adaptation and the decay.
 """

@@ -22,6 +22,7 @@ from layerwise_helpers import params_like, resnet_losses, run_grads, tensors
 from optim_helpers import assert_same, batch, make_model, ours, run, torchs
 
 from lsdl_lab import optim
+from lsdl_lab.optim.lamb import layer_runs
 
 EXACT = dict(rtol=0.0, atol=0.0)
 log_scale = st.floats(-6.0, 6.0).map(lambda e: 10.0**e)
@@ -178,3 +179,10 @@ def test_matches_pytorch_optimizer_lamb():
             o.step()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
+
+
+def test_layer_runs_group_consecutive_layers_up_to_a_size():
+    params = [torch.zeros(n) for n in (3, 5, 10, 2, 1)]
+    assert layer_runs(params, size=8) == [[0, 1], [2], [3, 4]]  # 10 > 8: a run of its own
+    assert layer_runs(params, size=1) == [[0], [1], [2], [3], [4]]
+    assert layer_runs([], size=8) == []
