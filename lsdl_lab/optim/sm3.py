@@ -40,6 +40,8 @@ paper and both references have none.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -103,8 +105,7 @@ class SM3(Optimizer):
             nu = acc[0] if len(acc) == 1 else _minimum(acc)
             nu.addcmul_(g, g)
             for r, mu_r in enumerate(acc if len(acc) > 1 else []):
-                others = [s for s in range(nu.dim()) if s != r]
-                torch.amax(nu, dim=others, keepdim=True, out=mu_r)
+                _maxima(nu, r, mu_r)
             # u_t is built in nu_t's memory, a temporary for a matrix, a copy of the state for
             # a vector: a new temporary the size of the model costs a pass of fresh memory
             u = nu if len(acc) > 1 else nu.clone()
@@ -113,6 +114,26 @@ class SM3(Optimizer):
                 m = self.buffer([w], "momentum_buffer")[0]
                 u = m.lerp_(u, 1 - mu)
             add_scaled_([w], [u], -lr)
+
+
+def _maxima(nu: Tensor, r: int, out: Tensor) -> None:
+    r""":math:`\mu^{(r)}_t(i_r) = \max_{i_s,\, s \ne r} \nu_t(i_1, \dots, i_k)`, into ``out``.
+
+    Over every dimension but the last (a matrix's columns), compiled, in two steps: the
+    maxima of blocks of up to 16 consecutive rows, then of those (the same maxima, exactly).
+    TorchInductor's loop for a maximum over the rows walks each column strip across all
+    rows, rows a whole row apart in memory; a block of rows stays in the L1 cache while its
+    strips are walked (the compiled step 13% faster on the 10M-parameter GPT's first 26
+    tensors). Eagerly ATen's reduction already walks the rows in memory order: there the
+    blocks would only add a pass (the eager step 14% slower).
+    """
+    if r == nu.dim() - 1 and r > 0 and torch.compiler.is_compiling():
+        rows = nu.reshape(-1, nu.shape[-1])
+        blocks = rows.unflatten(0, (-1, math.gcd(rows.shape[0], 16))).amax(dim=1)
+        torch.amax(blocks, dim=0, out=out.view(-1))
+    else:
+        others = [s for s in range(nu.dim()) if s != r]
+        torch.amax(nu, dim=others, keepdim=True, out=out)
 
 
 def _minimum(accumulators: list[Tensor]) -> Tensor:
