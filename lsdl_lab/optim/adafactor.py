@@ -173,7 +173,7 @@ class Adafactor(Optimizer):
                 m.lerp_(u.div_(clip), 1 - beta1)
                 w.sub_(torch.mul(m, alpha, out=u))
             else:  # alpha_t U_hat_t in one pass over U_t (alpha_t = 0: a step of exactly 0)
-                w.sub_(u.div_(clip / alpha))
+                w.sub_(u.mul_(alpha / clip))  # a product: compiled, no division per element
 
     @staticmethod
     def clamped_rms(x: Tensor, d: float, low: float) -> Tensor:
@@ -212,8 +212,10 @@ class Adafactor(Optimizer):
             v = g * g  # G_t^2
             averaged_mean_(r, v, w, dim=-1)  # R_t
             averaged_mean_(c, v, w, dim=-2)  # C_t
-            torch.mul(r, c, out=v)  # the outer product R_t C_t
-            v_hat.append(v.div_(r.mean(dim=-2, keepdim=True).clamp_min(e)))
+            # R_t C_t / max(mean_i R_t, eps1), divided in the n-vector R_t: compiled, the loops
+            # then divide nothing per element
+            r_scaled = r / r.mean(dim=-2, keepdim=True).clamp_min(e)
+            v_hat.append(torch.mul(r_scaled, c, out=v))
         return v_hat
 
 
