@@ -22,7 +22,7 @@ from .hessian_free import HessianFree
 from .kfac import KFAC
 from .lamb import LAMB
 from .lars import LARS
-from .layerwise import layer_trust_ratio, param_groups_for_layerwise, trust_ratio
+from .layerwise import param_groups_for_layerwise, trust_ratio
 from .nadam import NAdam
 from .newton import Newton
 from .rmsprop import RMSprop
@@ -52,5 +52,4 @@ __all__ = [
     "Optimizer",
     "param_groups_for_layerwise",
     "trust_ratio",
-    "layer_trust_ratio",
 ]

@@ -2,10 +2,10 @@ r"""What LARS and LAMB share: the layer-wise trust ratio and the layer-wise para
 
 Both optimizers rescale each layer's (each parameter tensor's) step by a *trust ratio*
 that makes it a fixed fraction of the layer's weight norm (You, Gitman and Ginsburg, 2017;
-You et al., 2020), in one form that covers both papers (:func:`ratio_of_norms`), for a list
-of layers in one multi-tensor pass (:func:`trust_ratio`: LARS and the Lab 4b checker) or for
-one layer (:func:`layer_trust_ratio`; LAMB, whose update runs layer by layer, applies
-:func:`ratio_of_norms` to the norms of a run of layers at once).
+You et al., 2020), in one form that covers both papers (:func:`ratio_of_norms`, from the
+layers' norms), for a list of layers in one multi-tensor pass (:func:`trust_ratio`: LARS and
+the Lab 4b checker); LAMB, whose update runs layer by layer, applies :func:`ratio_of_norms`
+to the norms of a run of layers at once.
 :func:`param_groups_for_layerwise` leaves biases and normalization parameters out of the
 adaptation and the decay.
 """
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from .._util import check_nonnegative
 from .pieces import host_scalars
 
-__all__ = ["layer_trust_ratio", "param_groups_for_layerwise", "ratio_of_norms", "trust_ratio"]
+__all__ = ["param_groups_for_layerwise", "ratio_of_norms", "trust_ratio"]
 
 
 def trust_ratio(
@@ -38,24 +38,6 @@ def trust_ratio(
     u_norm = torch.stack(torch._foreach_norm(updates))
     tau = ratio_of_norms(w_norm, u_norm, clamp, trust_coefficient, weight_decay, eps)
     return host_scalars(tau)
-
-
-def layer_trust_ratio(
-    w: Tensor,
-    u: Tensor,
-    clamp: tuple[float, float] | None = None,
-    *,
-    trust_coefficient: float = 1.0,
-    weight_decay: float = 0.0,
-    eps: float = 0.0,
-) -> Tensor:
-    """The trust ratio of one layer (:func:`ratio_of_norms`), a 0-d tensor on its device.
-
-    Inside a compiled ``update`` a norm of one tensor is a reduction that TorchInductor
-    computes in the loop that produces ``u`` (``u`` is then never written to memory), where
-    ``torch._foreach_norm`` is an opaque call that needs every ``u`` stored first."""
-    w_norm, u_norm = torch.linalg.vector_norm(w), torch.linalg.vector_norm(u)
-    return ratio_of_norms(w_norm, u_norm, clamp, trust_coefficient, weight_decay, eps)
 
 
 def ratio_of_norms(
