@@ -63,13 +63,7 @@ import torch
 
 from .base import Optimizer
 from .layerwise import ratio_of_norms
-from .pieces import (
-    adam_denominator,
-    adam_moments_,
-    addcdiv_,
-    decoupled_weight_decay_,
-    host_scalars,
-)
+from .pieces import adam_denominator, adam_moments_, addcdiv_, decoupled_weight_decay_
 
 __all__ = ["LAMB"]
 
@@ -174,7 +168,7 @@ class LAMB(Optimizer):
                 us.append(u)
             w_norm = torch.stack([torch.linalg.vector_norm(w) for w in ws])
             u_norm = torch.stack([torch.linalg.vector_norm(u) for u in us])
-            tau = host_scalars(ratio_of_norms(w_norm, u_norm, group["clamp"]))  # phi(||w||)/||u||
+            tau = ratio_of_norms(w_norm, u_norm, group["clamp"]).unbind()  # phi(||w||) / ||u||
             for w, u, tau_i in zip(ws, us, tau, strict=True):
                 w.sub_(u.mul_(lr * tau_i))  # w -= lr tau u
 
