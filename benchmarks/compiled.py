@@ -132,6 +132,30 @@ NOT_TIMED = {
 }
 
 
+# Why a row stays below the roof, from reading TorchInductor's generated C++ (TORCH_LOGS=
+# output_code) and profiling its steps: added to the measured reason of a row that misses
+ANALYSIS = {
+    "SGD": "plain SGD is one streaming pass, so the compiled call's fixed cost (dynamo's "
+    "guards on every parameter and gradient, the Python wrapper around the kernels) is a "
+    "large share of so short a step, where the eager step is a single ATen call",
+    "LARS": "its norms are two more reductions before the step (torch's _foreach_norm, a "
+    "call TorchInductor leaves to ATen, reads w and g once more); the trust ratios are "
+    "computed once, before the loops, and the loops move the minimum",
+    "LAMB": "the trust ratio needs ||u|| of the whole layer before any of its weights moves: "
+    "two passes per layer, by the algorithm; TorchInductor then runs every layer's norm "
+    "loop before any layer's step loop, so the second pass reads w, g, m and v back from "
+    "memory, not the caches, and recomputes m, v and u",
+    "Adafactor": "TorchInductor's CPU loops never fuse a mean along the rows with one along "
+    "the columns, so G is read three times; and the step is bound by arithmetic: U_t = G_t "
+    "rsqrt(max(V_hat, eps1^2)) is computed in two loops (for RMS(U_t), then for the step), "
+    "each with an exact square root and a division per 8 numbers (storing U_t costs more)",
+    "SM3": "the row maxima and the column maxima of nu = min(mu_row, mu_col) + g^2 are two "
+    "more loops over g (TorchInductor fuses neither into the step's loop; the column maxima "
+    "walk strided column strips), each recomputing nu, and the step takes an exact "
+    "square root and a division per 8 numbers",
+}
+
+
 @dataclass
 class Entry:
     """One row of the benchmark (``options`` set) or one optimizer only listed (``reason``)."""
@@ -621,7 +645,10 @@ def goals(rows: list[Row], n: int) -> list[str]:
             if ratio > FUSED_GOAL:
                 met = False
                 text += f"; fused {f.ms:.2f} ms, {gbps(row, f, n) / row.stream:.0%} of B\\*"
-        lines.append(text + ("." if met else f": {why_slow(row, c, n)}."))
+        why = "" if met else f": {why_slow(row, c, n)}"
+        if not met and row.label in ANALYSIS:
+            why += f"; why: {ANALYSIS[row.label]}"
+        lines.append(text + why + ".")
     return lines
 
 
