@@ -27,6 +27,7 @@ import operator
 import os
 import re
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -291,6 +292,18 @@ def lines_in_element_loops(code: str, pattern: str, sizes: set[int]) -> tuple[in
     return inside, elsewhere
 
 
+def generated_code(step) -> list[str]:
+    """The C++ and Python TorchInductor generates (or finds in its cache) while ``step``
+    runs: torch's ``run_and_get_code`` without its ``torch._dynamo.reset()``, which would
+    make every optimizer this module compiled compile again."""
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append, create=True):
+        step()
+    return codes
+
+
 @pytest.mark.parametrize(
     "make_opt, pattern",
     [
@@ -303,15 +316,13 @@ def test_loops_read_the_scalars_computed_once(make_opt, pattern):
     # Adam's bias corrections (powers of the step count) and LARS's trust ratios (divisions
     # of norms; LARS's loops divide nothing else) are computed before the loops over the
     # parameters' elements, which read them: their code is never inside those loops
-    from torch._inductor.utils import run_and_get_code
-
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(40, 24)), nn.Parameter(torch.randn(24))]
     opt = make_opt(params)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # eager: creates the state
-    _, codes = run_and_get_code(opt.step)
+    codes = generated_code(opt.step)
     assert opt.compiled.compiles == 1
     counts = [lines_in_element_loops(code, pattern, {960, 24}) for code in codes]
     assert sum(inside for inside, _ in counts) == 0 and sum(n for _, n in counts) >= 1
