@@ -225,6 +225,10 @@ def test_compiled_equals_eager_with_one_graph_per_group(name):
     assert opt.compiled.failure is None
     # 100 steps, a new learning rate and step count in each: one graph per group, no more
     assert opt.compiled.compiles == len(opt.param_groups)
+    # called directly from the third step of each group on (the first creates the state,
+    # the second compiles): dynamo's guards stand for none of this optimizer's inputs
+    assert opt.compiled.no_direct == ""
+    assert opt.compiled.direct_steps == len(opt.param_groups) * (STEPS - 2)
     assert opt.compiled.compile_seconds > 0
     assert compiler_settings() == SETTINGS  # restored after every step, not left changed
     # every power of a step count (a bias correction) is computed once per step, outside the
@@ -343,6 +347,98 @@ def test_a_changed_learning_rate_changes_the_compiled_step():
         steps.append(max((p - b).abs().max().item() for p, b in zip(models.parameters(), before)))
     assert steps[0] > 1e-4 and steps[1] == 0.0
     assert opt.compiled.compiles == 1
+
+
+# -- the direct call: the compiled kernels without dynamo, after checks that stand for its guards
+
+
+def twin_runs(make_opt, steps, change=lambda opt, model, step: None):
+    """An eager and a compiled run of ``make_opt(params, compile)`` on the same batches, with
+    ``change(opt, model, step)`` applied to both before each step's ``opt.step()``."""
+    out = []
+    for compile in (False, True):
+        model = make_model(torch.float32)
+        opt = make_opt(model.parameters(), compile)
+        for t in range(steps):
+            x, y = batch(t, torch.float32)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            change(opt, model, t)
+            opt.step()
+        out.append((model, opt))
+    return out
+
+
+def test_a_direct_call_gives_way_to_dynamo_when_a_check_fails():
+    # three changes a compiled graph must not ignore, and what the direct call then does:
+    # a new momentum (a constant of the graph): dynamo compiles a second graph; gradients
+    # with other strides (a graph's loops assume their strides): a third; a new state entry:
+    # dynamo runs the second graph (its guards allow it). Equal to eager throughout: a
+    # direct call that missed a change would step with the old momentum or misread the
+    # gradient's elements
+    def change(opt, model, step):
+        if step == 4:
+            opt.param_groups[0]["momentum"] = 0.5
+        if step == 6:
+            weight = next(model.parameters())
+            weight.grad = weight.grad.t().contiguous().t()
+        state = opt.state[next(model.parameters())]
+        if step == 8:
+            state["note"] = torch.zeros(1)
+        if step == 9:
+            del state["note"]
+
+    (eager, _), (compiled, opt) = twin_runs(
+        lambda ps, c: optim.SGD(ps, lr=0.1, momentum=0.9, compile=c), 10, change
+    )
+    for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOLERANCE[torch.float32])
+    # step 0 eager; 1, 4 and 6 compile; 8 through dynamo; 2, 3, 5, 7 and 9 direct
+    assert opt.compiled.compiles == 3 and opt.compiled.direct_steps == 5
+
+
+class ScaledSGD(optim.SGD):
+    """SGD whose learning rate is scaled by an attribute of the optimizer."""
+
+    scale = 1.0
+
+    def update(self, group, params, grads):
+        super().update({**group, "lr": group["lr"] * self.scale}, params, grads)
+
+
+class NotingSGD(optim.SGD):
+    """SGD that notes each step's learning rate in the first parameter's state."""
+
+    def update(self, group, params, grads):
+        self.state[params[0]]["last_lr"] = group["lr"] * 1
+        super().update(group, params, grads)
+
+
+def test_a_graph_whose_guards_or_side_effects_a_direct_call_cannot_stand_for_runs_in_dynamo():
+    # a graph that reads an attribute of the optimizer: its value is a guard of dynamo's
+    # alone, so every step goes through dynamo, which compiles again when it changes
+    def change(opt, model, step):
+        if step == 4:
+            opt.scale = 0.0
+
+    (eager, _), (compiled, opt) = twin_runs(
+        lambda ps, c: ScaledSGD(ps, lr=0.1, momentum=0.9, compile=c), 6, change
+    )
+    # steps 4 and 5 leave the model as it was: two steps of a stale scale would move it
+    for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOLERANCE[torch.float32])
+    assert "self.scale" in opt.compiled.no_direct
+    assert opt.compiled.direct_steps == 0 and opt.compiled.compiles == 2
+    # a graph whose update changes a Python object (a state entry): dynamo sets it after
+    # the graph ran, a direct call would not
+    (eager, eager_opt), (compiled, opt) = twin_runs(
+        lambda ps, c: NotingSGD(ps, lr=0.1, compile=c), 4
+    )
+    assert "changes Python objects" in opt.compiled.no_direct and opt.compiled.direct_steps == 0
+    first = next(compiled.parameters())
+    assert float(opt.state[first]["last_lr"]) == 0.1
+    for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize(
