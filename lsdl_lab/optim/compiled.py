@@ -411,38 +411,59 @@ SMALL = 4096
 def compute_once(
     graph: fx.GraphModule, example_inputs: Sequence, per_step: Sequence[Tensor]
 ) -> fx.GraphModule:
-    """``graph`` (traced by dynamo) with its small values computed once, before the loops that
+    r"""``graph`` (traced by dynamo) with its small values computed once, before the loops that
     read them: a new graph, or ``graph`` itself when there are none.
 
     Two kinds of values, each of at most :data:`SMALL` elements, made by operations that
     change nothing in place:
 
-    * those derived from the tensors ``per_step`` alone (the learning rate, the step counts:
-      bias corrections, Adafactor's relative step, NAdam's momentum schedule), through any
-      arithmetic on them; the same operation on the same values is kept once
-      (:func:`merge_copies`: an update that computes a bias correction per tensor, from one
-      count, computes it once);
+    * those derived from the tensors ``per_step`` (the learning rate, the step counts: bias
+      corrections, Adafactor's relative step, NAdam's momentum schedule) and from states of
+      one element (NAdam's running product :math:`\Pi_t`, read after it is updated in
+      place), through any arithmetic on them; the same operation on the same values is kept
+      once (:func:`merge_copies`: an update that computes a bias correction per tensor,
+      from one count, computes it once);
     * those computed from reductions of the large arrays (norms, means) and from such values:
       LARS's and LAMB's trust ratios, Adafactor's RMS and clipping.
 
     Each one the rest of the graph reads passes through :func:`computed_once`, and the loops
     read it from memory. A value changed in place later is left as it is: its readers after
-    the change must see the change.
+    the change must see the change. A value stored is computed where the update computes it,
+    so a state changed in place gives the values the update reads there.
     """
     inputs = graph.graph.find_nodes(op="placeholder")
-    sources = {node for node, x in zip(inputs, example_inputs) if any(x is y for y in per_step)}
+    sources = {
+        node
+        for node, x in zip(inputs, example_inputs)
+        if any(x is y for y in per_step) or (isinstance(x, Tensor) and x.numel() == 1)
+    }
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     g.output(g.graph_copy(graph.graph, env))
     sources = {env[node] for node in sources}
-    written_nodes = {x for node in g.nodes if mutates(node) for x in written(node)}
-    derived = set(sources)  # from the per-step inputs alone
+    position = {node: i for i, node in enumerate(g.nodes)}
+    last_write: dict[fx.Node, int] = {}
     for node in g.nodes:
-        if computes(node) and node.all_input_nodes and set(node.all_input_nodes) <= derived:
-            derived.add(node)
-    if derived & written_nodes:
-        derived = set(sources)  # an update that changes its lr or counts in place
-    merge_copies(g, derived - sources)
+        if mutates(node):
+            last_write.update({x: position[node] for x in written(node)})
+    written_nodes = set(last_write)
+
+    def derived_from(sources: set) -> set:
+        # a value read from a source before the source's last change in place is not the
+        # source's value for the rest of the graph: only reads after it count
+        derived = set(sources)
+        for node in g.nodes:
+            ins = node.all_input_nodes
+            if computes(node) and ins and set(ins) <= derived:
+                if all(last_write.get(x, -1) < position[node] for x in ins if x in sources):
+                    derived.add(node)
+        return derived
+
+    derived = derived_from(sources)  # from the per-step inputs and one-element states
+    # the same operation on the same values is one value only when no value changes between
+    clean = derived_from(sources - written_nodes) - sources
+    merge_copies(g, {node for node in clean if not set(node.all_input_nodes) & written_nodes})
+    derived &= set(g.nodes)  # without the copies merge_copies erased
     once = set(derived)  # and from reductions
     for node in g.nodes:
         if node in once or not computes(node) or not node.all_input_nodes:

@@ -23,11 +23,9 @@ weight decay is AdamW's (Loshchilov and Hutter, 2019).
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from .._util import check_nonnegative
 from .base import Optimizer
-from .compiled import computed_once
 from .pieces import (
     adam_denominator,
     adam_moments_,
@@ -108,8 +106,8 @@ class NAdam(Optimizer):
         torch._foreach_mul_(mu_product, mu)
         pi = host_scalars(mu_product)
         bc2 = [1 - beta2**k for k in t]
-        s_g = once_per_step([-lr * (1 - a) / (1 - b) for a, b in zip(mu, pi)])
-        s_m = once_per_step([-lr * a / (1 - b * a) for a, b in zip(mu_next, pi)])
+        s_g = [-lr * (1 - a) / (1 - b) for a, b in zip(mu, pi)]
+        s_m = [-lr * a / (1 - b * a) for a, b in zip(mu_next, pi)]
         if not torch.compiler.is_compiling():  # torch.optim's two passes, in its order:
             denom = adam_denominator(v, bc2, eps)  # torch.optim.NAdam bit for bit
             addcdiv_(params, grads, denom, s_g)
@@ -126,15 +124,3 @@ class NAdam(Optimizer):
         denom = torch._foreach_sqrt(v)
         torch._foreach_add_(denom, [eps * c for c in sqrt_c2])
         torch._foreach_addcdiv_(params, step, denom)
-
-
-def once_per_step(scalars: list) -> list:
-    r"""Per-tensor scalars computed from the state, once per step: on the compiled path (0-d
-    tensors) they pass, stacked, through :func:`~lsdl_lab.optim.compiled.computed_once`, so
-    that each loop reads its two coefficients instead of recomputing them, with two
-    divisions in double precision, for every 8 elements (``compute_once`` hoists what lr,
-    the step counts and reductions give, not a value of the state changed in place, as
-    :math:`\Pi_t` is). Numbers (eager) are returned as they are."""
-    if not scalars or not isinstance(scalars[0], Tensor):
-        return scalars
-    return list(computed_once(torch.stack(scalars)).unbind())

@@ -309,17 +309,20 @@ def generated_code(step) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "make_opt, pattern",
+    "make_opt, pattern, per_loop",
     [
-        (lambda ps: optim.Adam(ps, lr=1e-2, compile=True), "std::pow("),
-        (lambda ps: optim.LARS(ps, lr=0.1, weight_decay=1e-4, compile=True), " / "),
+        (lambda ps: optim.Adam(ps, lr=1e-2, compile=True), "std::pow(", 0),
+        (lambda ps: optim.LARS(ps, lr=0.1, weight_decay=1e-4, compile=True), " / ", 0),
+        (lambda ps: optim.NAdam(ps, lr=1e-2, compile=True), " / ", 1),
     ],
-    ids=["Adam", "LARS"],
+    ids=["Adam", "LARS", "NAdam"],
 )  # fmt: skip
-def test_loops_read_the_scalars_computed_once(make_opt, pattern):
-    # Adam's bias corrections (powers of the step count) and LARS's trust ratios (divisions
-    # of norms; LARS's loops divide nothing else) are computed before the loops over the
-    # parameters' elements, which read them: their code is never inside those loops
+def test_loops_read_the_scalars_computed_once(make_opt, pattern, per_loop):
+    # Adam's bias corrections (powers of the step count), LARS's trust ratios (divisions of
+    # norms; LARS's loops divide nothing else) and NAdam's two coefficients (divisions by
+    # 1 - Pi_t, a state changed in place before it is read; NAdam's loops divide once, by
+    # the shared denominator) are computed before the loops over the parameters' elements,
+    # which read them: their code is never inside those loops
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(40, 24)), nn.Parameter(torch.randn(24))]
     opt = make_opt(params)
@@ -329,7 +332,8 @@ def test_loops_read_the_scalars_computed_once(make_opt, pattern):
     codes = generated_code(opt.step)
     assert opt.compiled.compiles == 1
     counts = [lines_in_element_loops(code, pattern, {960, 24}) for code in codes]
-    assert sum(inside for inside, _ in counts) == 0 and sum(n for _, n in counts) >= 1
+    assert sum(inside for inside, _ in counts) == per_loop * len(params)
+    assert sum(n for _, n in counts) >= 1
     assert any("960L" in code for code in codes)  # the element loops were found
 
 
