@@ -135,9 +135,10 @@ NOT_TIMED = {
 # Why a row stays below the roof, from reading TorchInductor's generated C++ (TORCH_LOGS=
 # output_code) and profiling its steps: added to the measured reason of a row that misses
 ANALYSIS = {
-    "SGD": "plain SGD is one streaming pass, so the compiled call's fixed cost (dynamo's "
-    "guards on every parameter and gradient, the Python wrapper around the kernels) is a "
-    "large share of so short a step, where the eager step is a single ATen call",
+    "SGD": "plain SGD is one streaming pass, so the compiled step's fixed cost (the lists of "
+    "parameters and gradients, the checks of every tensor before the direct call, the Python "
+    "wrapper around the kernels) is a large share of so short a step, where the eager step "
+    "is a single ATen call",
     "LARS": "its norms are two more reductions before the step (torch's _foreach_norm, a "
     "call TorchInductor leaves to ATen, reads w and g once more); the trust ratios are "
     "computed once, before the loops, and the loops move the minimum",
@@ -617,9 +618,9 @@ def why_slow(row: Row, compiled: Impl, n: int) -> str:
         f"its kernels move the minimum ({moved:.1f} B/param by TorchInductor's count, "
         f"{kernels}), {at_roof:.2f} ms at B\\*: the other {compiled.ms - at_roof:.2f} ms of "
         f"its {compiled.ms:.2f} ms are not memory traffic (arithmetic in the kernels' loops, "
-        "or the fixed cost of a compiled call: dynamo's guards and its rebuilding of the "
-        "inputs, one entry per tensor and state, and the Python wrapper around the few C++ "
-        "functions that hold every tensor's loops)"
+        "or the fixed cost of a step: the optimizer's lists of parameters, gradients and "
+        "states, the checks of every tensor before the compiled kernels are called directly, "
+        "and the Python wrapper around the few C++ functions that hold every tensor's loops)"
     )
 
 
@@ -728,11 +729,16 @@ def lab_table(rows: list[LabRow]) -> list[str]:
         text = "Runs that gain: " + "; ".join(gaining) + "."
     else:
         text = "No lab's run gains: "
-        if timed:
+        if slower:
             text += (
                 f"the compiled step was slower than the eager one in {slower} of the "
                 f"{len(timed)} models compiled (its fixed cost per call outweighs the traffic "
                 "a small model's step saves), and where it is faster, or where the run was "
+            )
+        elif timed:
+            text += (
+                f"the compiled step was faster than the eager one in all {len(timed)} models "
+                "compiled, but there, as where the run was "
             )
         else:
             text += "where the run was "

@@ -94,6 +94,8 @@ def test_lab_table_says_a_run_pays_only_past_its_break_even():
     assert "No lab's run gains: the compiled step was slower than the eager one in 1 of the 2" in (
         text
     )
+    text = "\n".join(compiled.lab_table([faster]))
+    assert "No lab's run gains: the compiled step was faster than the eager one in all 1 " in text
     long_run = lab_row(20_000, 2.0, 1.0, 10.0)
     text = "\n".join(compiled.lab_table([slower, long_run]))
     assert "| yes |" in text and "Runs that gain: Lab 0, a run at cpu." in text
