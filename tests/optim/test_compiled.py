@@ -466,18 +466,9 @@ def test_a_run_switches_path_on_resume(name):
 
 def eager_and_compiled(make_opt, steps=5):
     """Both paths of ``make_opt(params, compile)``; (models, optimizers, warnings)."""
-    out = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for compile in (False, True):
-            model = make_model(torch.float32)
-            opt = make_opt(model.parameters(), compile)
-            for t in range(steps):
-                x, y = batch(t, torch.float32)
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-            out.append((model, opt))
+        out = twin_runs(make_opt, steps)
     return out, [w for w in caught if issubclass(w.category, CompileWarning)]
 
 
