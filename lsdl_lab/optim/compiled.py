@@ -96,7 +96,10 @@ class CompiledUpdate:
     ``compiles`` counts the graphs compiled for it and ``compile_seconds`` the time of the
     steps that compiled one (tracing, code generation and the C++ compiler, or the cache);
     ``failure`` is the reason compiling failed (then every step runs eagerly), or None;
-    ``graphs`` holds the graphs given to TorchInductor (after :func:`compute_once`).
+    ``graphs`` holds the graphs given to TorchInductor (after :func:`compute_once`);
+    ``direct_steps`` counts the steps that called the compiled kernels directly
+    (:class:`DirectCall`), and ``no_direct`` says why the graph compiled last is not called
+    so (empty when it is).
     """
 
     #: TorchInductor: fused C++ (CPU) or Triton (GPU) kernels
