@@ -288,20 +288,22 @@ class DirectCall:
 
     def __call__(self, group, params, grads, states, per_step) -> bool:
         """Run the step and return True, or return False when a check fails."""
-        if (
-            hyperparameters(group) != self.hyper
-            or list(map(len, states)) != self.lens
-            or not self.global_state.check()
-            or torch.utils._device.CURRENT_DEVICE is not self.default_device
-            or torch._C._len_torch_function_stack()
-            or torch._C._len_torch_dispatch_stack()
-        ):
-            return False
         try:
+            if (
+                hyperparameters(group) != self.hyper
+                or list(map(len, states)) != self.lens
+                or not self.global_state.check()
+                or torch.utils._device.CURRENT_DEVICE is not self.default_device
+                or torch._C._len_torch_function_stack()
+                or torch._C._len_torch_dispatch_stack()
+            ):
+                return False
             inputs = self.gather(per_step, params, grads, states)
             if len(set(map(id, inputs))) < len(inputs) or not self.tensors.check(*inputs):
                 return False
-        except (KeyError, IndexError, TypeError):  # a state entry gone; another length
+        # a state entry gone, another number of tensors, a tensor set as a hyperparameter
+        # (compared elementwise): dynamo's path decides
+        except (KeyError, IndexError, TypeError, RuntimeError):
             return False
         self.kernels(*inputs)
         return True
