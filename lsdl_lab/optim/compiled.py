@@ -223,12 +223,13 @@ class CompiledUpdate:
 
     def record(self, kernels, where, group, params, grads, states) -> None:
         """Keep the graph just compiled for direct calls, or the reason it cannot be."""
+        if isinstance(where, str):
+            self.no_direct = where
+            return
         try:
-            if isinstance(where, str):
-                raise ValueError(where)
             call = DirectCall(kernels, where, group, states, self.per_step, params, grads)
         except Exception as error:  # noqa: BLE001 - another torch: dynamo's path, never a crash
-            self.no_direct = str(error) if isinstance(error, ValueError) else describe(error)
+            self.no_direct = describe(error)
             return
         self.no_direct = ""
         self.direct.setdefault(id(group), []).append(call)

@@ -395,8 +395,7 @@ def test_a_direct_call_gives_way_to_dynamo_when_a_check_fails():
     (eager, _), (compiled, opt) = twin_runs(
         lambda ps, c: optim.SGD(ps, lr=0.1, momentum=0.9, compile=c), 10, change
     )
-    for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p, q, **TOLERANCE[torch.float32])
+    assert_close_models(compiled, eager)
     # step 0 eager; 1, 4 and 6 compile; 8 through dynamo; 2, 3, 5, 7 and 9 direct
     assert opt.compiled.compiles == 3 and opt.compiled.direct_steps == 5
 
@@ -429,8 +428,7 @@ def test_a_graph_whose_guards_or_side_effects_a_direct_call_cannot_stand_for_run
         lambda ps, c: ScaledSGD(ps, lr=0.1, momentum=0.9, compile=c), 6, change
     )
     # steps 4 and 5 leave the model as it was: two steps of a stale scale would move it
-    for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p, q, **TOLERANCE[torch.float32])
+    assert_close_models(compiled, eager)
     assert "self.scale" in opt.compiled.no_direct
     assert opt.compiled.direct_steps == 0 and opt.compiled.compiles == 2
     # a graph whose update changes a Python object (a state entry): dynamo sets it after
@@ -441,8 +439,7 @@ def test_a_graph_whose_guards_or_side_effects_a_direct_call_cannot_stand_for_run
     assert "changes Python objects" in opt.compiled.no_direct and opt.compiled.direct_steps == 0
     first = next(compiled.parameters())
     assert float(opt.state[first]["last_lr"]) == 0.1
-    for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p, q, **TOLERANCE[torch.float32])
+    assert_close_models(compiled, eager)
 
 
 @pytest.mark.parametrize(
@@ -475,6 +472,12 @@ def eager_and_compiled(make_opt, steps=5):
 def assert_same_models(a, b):
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def assert_close_models(a, b):
+    """The same parameters within float32's tolerance (the paths' rounding differs)."""
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOLERANCE[torch.float32])
 
 
 def test_an_optimizer_that_cannot_compile_warns_once_and_runs_eagerly():
