@@ -23,3 +23,18 @@ torch.set_num_threads(1)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# Every device this machine has: the CPU, and CUDA where present. A test that touches
+# tensors takes the `device` fixture and makes its tensors and models there, so on a GPU
+# machine its CUDA half runs with no change (the CPU-only CI runs the CPU half). The
+# library must make its own tensors on the device of the data they meet; a CPU tensor
+# meeting a CUDA one fails the CUDA half.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES, scope="session")
+def device(request) -> torch.device:
+    """The device of this run of the test: ``cpu``, then ``cuda`` where present (session
+    scope: hypothesis refuses function-scoped fixtures, and a device never changes)."""
+    return torch.device(request.param)

@@ -21,7 +21,6 @@ from lsdl_lab.models import MLP
 from lsdl_lab.train import accuracy
 
 matplotlib.use("Agg")
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class Linear(nn.Module):
@@ -295,7 +294,6 @@ def test_slices_of_a_quadratic_along_eigenvectors_are_exact_parabolas():
     np.testing.assert_allclose(grid, expected, rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_slice_2d_entries_and_exact_restore(device):
     model, x, y = cnn(device=device)
     model.train()
