@@ -2,7 +2,8 @@
 #   make book   set up (a virtual environment in .venv) and build the book into _build/html,
 #               executing every page and lab at the profile of this machine (cpu without CUDA)
 #   make test   set up and run every test: lint, unit/property/reference tests, and every lab
-#               and page executed at the smoke profile
+#               and page executed at the smoke profile; then the library's tests and every
+#               lab again on the oldest torch the package supports (.venv/floor)
 # Both start from nothing: the first run creates .venv from requirements.txt.
 
 PYTHON ?= python3
@@ -16,8 +17,9 @@ export TQDM_DISABLE ?= 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
 COLAB_BASE := $(VENV)/colab-base
+FLOOR := $(VENV)/floor
 
-.PHONY: setup book test lint browser colab-base student bench bench-cost clean
+.PHONY: setup book test test-main test-floor floor lint browser colab-base student bench bench-cost clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,8 +59,30 @@ $(COLAB_BASE)/.installed: tests/colab-requirements.txt
 
 colab-base: $(STAMP) $(COLAB_BASE)/.installed
 
-test: lint browser colab-base
+# The oldest torch pyproject.toml admits, from the registry (a CUDA build; it runs on the
+# CPU), with what the library's tests and the labs need: tests/floor-requirements.txt.
+$(FLOOR)/.installed: tests/floor-requirements.txt pyproject.toml
+	rm -rf $(FLOOR)
+	$(PYTHON) -m venv $(FLOOR)
+	$(FLOOR)/bin/python -m pip install -r tests/floor-requirements.txt
+	$(FLOOR)/bin/python -m pip install --no-deps --no-build-isolation -e .
+	$(FLOOR)/bin/python -c "import torch, lsdl_lab; print('floor: torch', torch.__version__)"
+	touch $@
+
+floor: $(FLOOR)/.installed
+
+test: test-main test-floor
+
+test-main: lint browser colab-base
 	LSDL_SCALE=smoke $(BIN)/python -m pytest -n 2 --dist loadfile tests
+
+# On the floor torch: the library's tests (not the book, the browser, nbgrader or the
+# Colab install, which test the toolchain, not torch) and every lab executed by nbval.
+FLOOR_SKIP := test_book.py test_labs_portable.py test_nbgrader.py test_nbgrader_later_labs.py \
+	test_colab_install.py
+test-floor: floor
+	LSDL_SCALE=smoke $(FLOOR)/bin/python -m pytest -n 2 --dist loadfile -p no:cacheprovider \
+		$(addprefix --ignore=tests/,$(FLOOR_SKIP)) tests --nbval-lax labs
 
 # Not part of `make test`: minutes of timing, written to benchmarks/results/.
 bench: $(STAMP)

@@ -13,6 +13,9 @@
   (an epoch's permutation, a probe's vectors) has its own reproducible stream.
 * :data:`LossFn` and :func:`weighted_batches`: the loss-function type and the batches of a
   mean loss, shared by the curvature, landscape and noise modules.
+* :func:`all_gather_single` / :func:`reduce_scatter_single` and :data:`NO_BUFFER_SYNC`:
+  ``torch.distributed`` and DDP as every supported torch spells them (the package's floor
+  torch lacks the newer names; the newest torch warns on the older ones).
 
 No module imports another module's private names; what several modules need lives here.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import math
 import numbers
 import os
@@ -29,7 +33,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -188,6 +194,48 @@ def weighted_batches(batches) -> tuple[list, list[float]]:
         raise ValueError("Invalid batches: empty (expected at least one (x, y) pair)")
     sizes = [len(x) for x, _ in batches]
     return batches, [n / sum(sizes) for n in sizes]
+
+
+# -- torch.distributed on every supported torch ------------------------------------------
+
+# Newer torch (2.13, not 2.11) names the flat all-gather and reduce-scatter
+# ``all_gather_single`` and ``reduce_scatter_single``, the older names deprecated aliases
+# that call them; the floor torch (2.9) has only the older names. The name is looked up at
+# every call, so a counter that rebinds the function in ``torch.distributed`` sees the
+# call, once.
+ALL_GATHER_SINGLE = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+)
+REDUCE_SCATTER_SINGLE = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
+
+
+def all_gather_single(output, input, group=None, async_op=False):
+    """``output`` = the concatenation of every rank's ``input`` (torch's flat all-gather
+    under the name this torch gives it)."""
+    gather = getattr(dist, ALL_GATHER_SINGLE)
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """``output`` = this rank's slice of the sum over ranks of ``input`` (torch's flat
+    reduce-scatter under the name this torch gives it)."""
+    scatter = getattr(dist, REDUCE_SCATTER_SINGLE)
+    return scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+# DistributedDataParallel's option to leave buffers (BatchNorm's statistics) unsynchronized
+# in the forward pass: ``forward_sync_buffers=False`` in newer torch (2.13, which
+# deprecates ``broadcast_buffers``), ``broadcast_buffers=False`` in older torch (2.9,
+# 2.11). The newer option still broadcasts the buffers once at construction, the older
+# one does not: the same for models whose ranks start equal, as every model built from
+# one seed does.
+NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 # -- randomness ---------------------------------------------------------------------------

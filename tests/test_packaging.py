@@ -94,3 +94,16 @@ def test_every_module_is_reachable_as_an_attribute():
         if name.startswith("_") or not (path.suffix == ".py" or (path / "__init__.py").exists()):
             continue
         assert getattr(lsdl_lab, name).__name__ == f"lsdl_lab.{name}"
+
+
+def test_the_declared_torch_floor_is_the_tested_one():
+    """pyproject.toml's ``torch>=X.Y`` is the torch that `make test` runs the library's tests
+    and the labs on (tests/floor-requirements.txt pins a release of X.Y)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (floor,) = [d.removeprefix("torch>=") for d in project["dependencies"] if "torch" in d]
+    pins = [
+        line.split("==")[1].strip()
+        for line in (ROOT / "tests" / "floor-requirements.txt").read_text().splitlines()
+        if line.startswith("torch==")
+    ]
+    assert len(pins) == 1 and pins[0].split(".")[:2] == floor.split("."), (floor, pins)

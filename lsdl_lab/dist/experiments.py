@@ -43,7 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import models
-from .._util import check_int, eval_mode
+from .._util import NO_BUFFER_SYNC, check_int, eval_mode
 from ..compress import (
     QSGD,
     ErrorFeedback,
@@ -304,7 +304,7 @@ def _ddp(model: nn.Module) -> DistributedDataParallel:
     # orders on the two ranks, and gloo stopped ("Received data size doesn't match expected
     # size"; ResNet-20 of width 16, 1.1 MB: 4 runs of 5 failed, 0 of 3 with one bucket).
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-    return DistributedDataParallel(model, forward_sync_buffers=False, bucket_cap_mb=25.0)
+    return DistributedDataParallel(model, bucket_cap_mb=25.0, **NO_BUFFER_SYNC)
 
 
 def _train(ddp, opt, x, y, steps: range, batch: int, rank: int, world_size: int) -> None:

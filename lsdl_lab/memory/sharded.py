@@ -60,7 +60,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._util import check_bool, check_choice, check_int, flatten
+from .._util import (
+    all_gather_single,
+    check_bool,
+    check_choice,
+    check_int,
+    flatten,
+    reduce_scatter_single,
+)
 from .measure import measure
 
 __all__ = ["ZeroOptimizer"]
@@ -242,7 +249,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _all_gathered(self, unit: _Unit) -> torch.Tensor:
         """The unit's whole flat parameters, assembled from every rank's shard."""
         flat = unit.shard.new_empty(unit.padded)
-        dist.all_gather_single(flat, unit.shard.detach(), group=self.group)
+        all_gather_single(flat, unit.shard.detach(), group=self.group)
         return flat
 
     def _gather(self, unit: _Unit) -> None:
@@ -267,7 +274,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "(model.zero_grad() drops the flat buffer they live in)"
                 )
             # The averaged shard lands in the rank's own slice of the local gradients.
-            dist.reduce_scatter_single(unit.shard.grad, unit.grad_flat, group=self.group)
+            reduce_scatter_single(unit.shard.grad, unit.grad_flat, group=self.group)
             unit.shard.grad.div_(self.world)
             unit.reduced = True
         else:
@@ -278,7 +285,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self.stage == 3:
                 unit.release()
             shard = unit.shard.new_empty(unit.padded // self.world)
-            dist.reduce_scatter_single(shard, local, group=self.group)
+            reduce_scatter_single(shard, local, group=self.group)
             shard.div_(self.world)
             if unit.shard.grad is None:
                 unit.shard.grad = shard
@@ -305,7 +312,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     unit.shard.copy_(unit.master)  # rounded to the parameters' dtype, device
                     unit.master.grad = None  # the paper's K counts no float32 gradient
                 if self.stage < 3:
-                    dist.all_gather_single(unit.flat, unit.shard.detach(), group=self.group)
+                    all_gather_single(unit.flat, unit.shard.detach(), group=self.group)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

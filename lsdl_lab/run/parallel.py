@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import compress
+from .._util import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, all_gather_single
 from ..memory import ZeroOptimizer, measure
 from .build import WHOLE_TENSOR, make_optimizer, optimizer_class
 from .config import Config
@@ -81,16 +82,16 @@ _INPUTS = {
     "all_reduce": (0, "tensor"),
     "broadcast": (0, "tensor"),
     "all_gather": (1, "tensor"),
-    "all_gather_single": (1, "input_tensor"),
-    "all_gather_into_tensor": (1, "input_tensor"),
-    "reduce_scatter_single": (1, "input"),
-    "reduce_scatter_tensor": (1, "input"),
+    # the flat forms under the name this torch gives them (the other name, where torch has
+    # both, is a deprecated alias that calls this one)
+    ALL_GATHER_SINGLE: (1, "input_tensor"),
+    REDUCE_SCATTER_SINGLE: (1, "input"),
 }
 
 
 class CollectiveBytes(contextlib.AbstractContextManager):
     """Inside the block, every call of ``torch.distributed``'s collectives made through the
-    module (``dist.all_gather_single(...)``, as ZeroOptimizer and FSDP2 call them) adds
+    module (``dist.all_reduce(...)``, as DDP's hooks, ZeroOptimizer and FSDP2 call them) adds
     the bytes of the tensor this rank contributes to :attr:`bytes`.
 
     The count is what is *handed* to the collective (``numel x element_size``), the
@@ -307,7 +308,7 @@ class Zero(_Counting):
                 "ZeRO cannot gather it"
             )
         flat = value.new_empty(unit.padded)
-        dist.all_gather_single(flat, value.detach().contiguous())
+        all_gather_single(flat, value.detach().contiguous())
         return [view.clone() for view in unit.views(flat[: unit.numel])]
 
     def load_optimizer(self, state: dict) -> None:

@@ -21,6 +21,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from lsdl_lab import optim
+from lsdl_lab._util import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, all_gather_single
 from lsdl_lab.memory import LossScaler, ZeroOptimizer, measure
 
 STEPS = 4
@@ -80,7 +81,9 @@ def train(model, optimizer, batches, params_of, scaler=None) -> list[torch.Tenso
     trajectory = []
     for x, y in batches:
         optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
+        # the output in the target's dtype: FSDP2's bfloat16 output against float64 targets
+        # (torch 2.9's mse_loss backward refuses mixed dtypes; newer torch promotes)
+        loss = nn.functional.mse_loss(model(x).to(y.dtype), y)
         loss.backward()
         optimizer.step()
         trajectory.append(flat(params_of()))
@@ -171,7 +174,7 @@ def mixed(rank, world_size, stage):
     masters = []
     for unit in opt.units:
         whole = unit.master.new_empty(unit.padded)
-        dist.all_gather_single(whole, unit.master.detach())
+        all_gather_single(whole, unit.master.detach())
         masters.append(whole[: unit.numel])
     return {
         "trajectory": trajectory,
@@ -187,7 +190,7 @@ def count_collectives():
     """Elements handed to each collective ZeroOptimizer calls, counted the paper's way: the
     whole tensor an all-gather assembles or a reduce-scatter reduces."""
     counts = {"all_gather": 0, "reduce_scatter": 0}
-    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+    gather, scatter = getattr(dist, ALL_GATHER_SINGLE), getattr(dist, REDUCE_SCATTER_SINGLE)
 
     def counted_gather(output, input, *args, **kwargs):
         counts["all_gather"] += output.numel()
@@ -197,11 +200,13 @@ def count_collectives():
         counts["reduce_scatter"] += input.numel()
         return scatter(output, input, *args, **kwargs)
 
-    dist.all_gather_single, dist.reduce_scatter_single = counted_gather, counted_scatter
+    setattr(dist, ALL_GATHER_SINGLE, counted_gather)
+    setattr(dist, REDUCE_SCATTER_SINGLE, counted_scatter)
     try:
         yield counts
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+        setattr(dist, ALL_GATHER_SINGLE, gather)
+        setattr(dist, REDUCE_SCATTER_SINGLE, scatter)
 
 
 def skip_decisions(rank, world_size, stage, share):
