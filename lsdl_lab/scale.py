@@ -44,12 +44,14 @@ __all__ = [
     "dry_run",
     "seed_everything",
     "setup",
+    "world_profile",
 ]
 
 T = TypeVar("T")
 ENV_VAR = "LSDL_SCALE"
 MAX_STEPS_VAR = "LSDL_MAX_STEPS"
 MAX_EXAMPLES_VAR = "LSDL_MAX_EXAMPLES"
+_AS_CPU: Any = object()  # Profile.pick's gpu left out
 
 
 @dataclass(frozen=True)
@@ -73,9 +75,11 @@ class Profile:
     lm_steps: int
     eval_batches: int  # how many batches an evaluation reads at most
 
-    def pick(self, *, smoke: T, cpu: T, gpu: T) -> T:
-        """The value for this profile: ``P.pick(smoke=1, cpu=8, gpu=30)``."""
-        return {"smoke": smoke, "cpu": cpu, "gpu": gpu}[self.name]
+    def pick(self, *, smoke: T, cpu: T, gpu: T = _AS_CPU) -> T:
+        """The value for this profile: ``P.pick(smoke=1, cpu=8, gpu=30)``. ``gpu`` may be
+        left out for a size that no GPU makes affordable (the steps of a world whose
+        ranks run on the CPU): it is then ``cpu``'s."""
+        return {"smoke": smoke, "cpu": cpu, "gpu": cpu if gpu is _AS_CPU else gpu}[self.name]
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
@@ -200,6 +204,17 @@ def device_for(profile: Profile) -> torch.device:
     """CUDA when present (at any profile: a smoke test on a GPU machine still uses it)."""
     del profile  # every profile runs where it can; the profile sets sizes, not the device
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def world_profile(profile: Profile, device: torch.device | str) -> Profile:
+    """The profile whose sizes a world of processes on ``device`` can afford: ``profile``
+    itself, except that a world on the CPU never takes the ``gpu`` sizes, which assume a
+    GPU per rank. A world of 2 on a one-GPU machine runs on its CPU cores (two in Colab:
+    :func:`lsdl_lab.dist.placement`), so its experiments take the ``cpu`` sizes, whatever
+    the profile of the rest of the lab."""
+    if profile.name == "gpu" and torch.device(device).type != "cuda":
+        return PROFILES["cpu"]
+    return profile
 
 
 def seed_everything(seed: int) -> None:

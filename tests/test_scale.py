@@ -36,6 +36,8 @@ def test_pick_and_sizes_grow_with_scale():
     P = scale.PROFILES
     assert P["smoke"].pick(smoke=1, cpu=2, gpu=3) == 1
     assert P["gpu"].pick(smoke=1, cpu=2, gpu=3) == 3
+    assert P["gpu"].pick(smoke=1, cpu=2) == 2 and P["smoke"].pick(smoke=1, cpu=2) == 1
+    assert P["gpu"].pick(smoke=1, cpu=2, gpu=None) is None  # None is a value, not left out
     for field in ("resnet_depth", "gpt_dim", "block_size", "lm_steps", "epochs"):
         values = [getattr(P[n], field) for n in ("smoke", "cpu", "gpu")]
         assert values == sorted(values), field
@@ -140,3 +142,11 @@ def test_loops_and_batches_unchanged_without_caps(no_caps):
     )
     assert len(history.train) == 9
     assert [len(b) for b, _ in data.eval_batches(x, y, 50)] == [50] * 4
+
+
+def test_a_world_on_the_cpu_never_takes_the_gpu_sizes():
+    gpu, cpu, smoke = (scale.PROFILES[n] for n in ("gpu", "cpu", "smoke"))
+    assert scale.world_profile(gpu, "cpu") is cpu
+    assert scale.world_profile(gpu, torch.device("cuda", 1)) is gpu
+    assert scale.world_profile(cpu, "cpu") is cpu and scale.world_profile(smoke, "cpu") is smoke
+    assert scale.world_profile(smoke, "cuda") is smoke

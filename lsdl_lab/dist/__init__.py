@@ -40,12 +40,13 @@ from .local_sgd import (
 )
 from .param_server import all_reduce_sgd, asynchronous_sgd, pull, push, synchronous_sgd
 from .world import (
+    Placement,
     WorkerError,
     call_each,
-    default_backend,
     destroy,
     free_port,
     init_from_env,
+    placement,
     spawn,
     world_from_env,
 )
@@ -69,10 +70,11 @@ __all__ = [
     "tree_all_reduce_time",
     "WorkerError",
     "call_each",
-    "default_backend",
     "destroy",
     "free_port",
     "init_from_env",
+    "Placement",
+    "placement",
     "naive_ring_all_reduce_blocking",
     "ring_all_gather",
     "ring_all_reduce",

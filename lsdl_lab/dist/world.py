@@ -16,8 +16,16 @@ can talk to each other. There are two ways to be in one:
 
 Both pass a ``timeout`` to ``init_process_group``: a collective that can never complete
 (a peer died, a deadlock) then raises after ``timeout`` seconds instead of hanging
-forever. gloo runs on CPUs; NCCL is chosen when CUDA is present and there is a GPU for
-every local rank.
+forever.
+
+Where a rank's tensors live decides the backend: :func:`placement` says, for the device
+asked (``"cpu"``, ``"cuda"`` or ``"auto"``) and the ranks on this machine, on which device
+a rank runs and which backend its world uses: NCCL with one GPU per local rank, gloo on
+the CPU otherwise. A world of 2 on a machine with one GPU (Colab) runs on the CPU with
+gloo: NCCL refuses two ranks on one GPU, and gloo's CUDA support lacks the all-gather and
+reduce-scatter that ZeRO and FSDP need (PyTorch's table of backends, ``torch.distributed``
+documentation). Workers whose tensors are on the CPU get gloo whatever the machine has:
+``spawn`` and ``init_from_env`` default to the CPU.
 
 A fresh Python per rank (the ``spawn`` start method) costs 1-3 s a world, as each rank
 imports torch; the default ``forkserver`` imports torch once and forks the ranks from a
@@ -47,6 +55,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import connection, get_all_start_methods, get_context
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,16 +64,18 @@ from .._util import check_choice, check_int, check_positive
 
 __all__ = [
     "WorkerError",
+    "Placement",
     "call_each",
-    "default_backend",
     "destroy",
     "free_port",
     "init_from_env",
+    "placement",
     "spawn",
     "world_from_env",
 ]
 
 BACKENDS = ("gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
 START_METHODS = ("spawn", "forkserver")
 # forkserver where the platform has it (Linux, macOS): see spawn's docstring
 DEFAULT_START_METHOD = "forkserver" if "forkserver" in get_all_start_methods() else "spawn"
@@ -93,12 +104,58 @@ class WorkerError(RuntimeError):
         )
 
 
-def default_backend(local_world_size: int = 1) -> str:
-    """``"nccl"`` when CUDA is present with a GPU for each of ``local_world_size`` local
-    ranks, else ``"gloo"``."""
-    if torch.cuda.is_available() and local_world_size <= torch.cuda.device_count():
-        return "nccl"
-    return "gloo"
+class Placement(NamedTuple):
+    """Where one rank runs: its ``device``, its world's ``backend``, and ``reason``, a line
+    that says why (a run prints it first)."""
+
+    device: torch.device
+    backend: str
+    reason: str
+
+
+def _env_count(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else _env_int(name, 0)
+
+
+def placement(
+    device: str = "auto", local_world_size: int | None = None, local_rank: int | None = None
+) -> Placement:
+    """The device of a rank and the backend of its world, from what this machine has.
+
+    * ``"cpu"``: the CPU and gloo, whatever GPUs the machine has.
+    * ``"cuda"``: GPU ``local_rank`` and NCCL; an error when the machine has fewer GPUs
+      than ranks on it (NCCL refuses two ranks on one GPU).
+    * ``"auto"``: ``"cuda"`` when there is a GPU for each rank on this machine, else
+      ``"cpu"``: a world of 2 on a one-GPU machine runs on its CPU cores with gloo.
+
+    ``local_world_size`` and ``local_rank`` (the ranks on this machine, this rank's index
+    among them) default to ``LOCAL_WORLD_SIZE`` and ``LOCAL_RANK`` of the environment,
+    which ``torchrun`` and :func:`spawn` set, else 1 and 0 (one process).
+    """
+    check_choice("device", device, DEVICES)
+    if local_world_size is None:
+        local_world_size = _env_count("LOCAL_WORLD_SIZE", 1)
+    if local_rank is None:
+        local_rank = _env_count("LOCAL_RANK", 0)
+    n = check_int("local_world_size", local_world_size, 1)
+    local_rank = check_int("local_rank", local_rank, 0, n - 1)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks = f"{n} rank{'s' if n > 1 else ''} on this machine"
+    if device == "cpu":
+        return Placement(torch.device("cpu"), "gloo", f"gloo on the CPU, as asked ({ranks})")
+    if n <= gpus:
+        return Placement(
+            torch.device("cuda", local_rank), "nccl", f"NCCL, one GPU per rank ({ranks})"
+        )
+    if device == "cuda":
+        raise ValueError(
+            f"Invalid device: 'cuda' for {ranks} with {gpus} GPU(s) (expected one GPU per "
+            "rank: NCCL refuses two ranks on one GPU; 'auto' runs such a world on the CPU "
+            "with gloo)"
+        )
+    why = "no GPU" if gpus == 0 else f"{gpus} GPU(s), fewer than the ranks"
+    return Placement(torch.device("cpu"), "gloo", f"gloo on the CPU: {why} ({ranks})")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -122,11 +179,15 @@ def _env_int(name: str, low: int) -> int:
         raise ValueError(f"Invalid {name}: {value!r} (expected an int >= {low})") from None
 
 
-def init_from_env(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
+def init_from_env(
+    backend: str | None = None, timeout: float = 60.0, device: str = "cpu"
+) -> tuple[int, int]:
     """Join the world described by the environment (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, as ``torchrun`` sets them) and return
     ``(rank, world_size)``. Every collective of the group raises after ``timeout`` seconds
-    instead of hanging. With NCCL, the process uses GPU ``LOCAL_RANK``. Under ``torchrun``
+    instead of hanging. ``backend`` defaults to that of :func:`placement` for ``device``,
+    the device of the tensors the ranks will hand to collectives (default the CPU:
+    gloo). With NCCL, the process uses GPU ``LOCAL_RANK``. Under ``torchrun``
     (``TORCHELASTIC_RUN_ID`` set), the ranks of each round of workers find each other
     under keys of their own in the launcher's store, so a restarted world never reads a
     killed rank's address."""
@@ -139,7 +200,8 @@ def init_from_env(backend: str | None = None, timeout: float = 60.0) -> tuple[in
     if rank >= world_size:
         raise ValueError(f"Invalid RANK: {rank} (expected an int in [0, {world_size - 1}])")
     if backend is None:
-        backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        local_world_size = _env_count("LOCAL_WORLD_SIZE", world_size)
+        backend = placement(device, local_world_size, local_rank).backend
     check_choice("backend", backend, BACKENDS)
     if dist.is_initialized():
         raise RuntimeError("This process is already in a world; call destroy() first")
@@ -191,13 +253,15 @@ def destroy() -> None:
 
 
 @contextlib.contextmanager
-def world_from_env(backend: str | None = None, timeout: float = 60.0) -> Iterator[tuple[int, int]]:
+def world_from_env(
+    backend: str | None = None, timeout: float = 60.0, device: str = "cpu"
+) -> Iterator[tuple[int, int]]:
     """:func:`init_from_env` for the block, :func:`destroy` after it (also when it raises)::
 
     with world_from_env() as (rank, world_size):
         ...
     """
-    rank_and_size = init_from_env(backend, timeout)
+    rank_and_size = init_from_env(backend, timeout, device)
     try:
         yield rank_and_size
     finally:
@@ -309,14 +373,18 @@ def spawn(
     backend: str | None = None,
     timeout: float = 60.0,
     start_method: str = DEFAULT_START_METHOD,
+    device: str = "cpu",
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` in a fresh world of ``world_size`` processes and
     return the list of the ranks' return values, ordered by rank.
 
     ``fn`` must be a top-level function of an importable module (see the module's
     docstring); ``args`` and the return values must pickle (CPU tensors do). ``backend``
-    defaults to NCCL when there is a GPU per rank, else gloo; ``timeout`` (seconds) bounds
-    every collective, so a deadlock ends in an error. The port is free, chosen per world.
+    defaults to that of :func:`placement` for ``device``, the device of the tensors the
+    workers hand to collectives: gloo for the CPU (the default, whatever GPUs the machine
+    has), NCCL with a GPU per rank for ``"cuda"``, and for ``"auto"`` NCCL when there are
+    enough GPUs, else gloo. ``timeout`` (seconds) bounds every collective, so a deadlock
+    ends in an error. The port is free, chosen per world.
 
     ``start_method="spawn"`` starts each rank as a new Python, which imports torch: 1-3 s
     per world, 10-15 s measured on 2 loaded cores. ``"forkserver"`` (the default where the
@@ -333,7 +401,8 @@ def spawn(
     _check_worker(fn)
     world_size = check_int("world_size", world_size, 1)
     timeout = check_positive("timeout", timeout)
-    backend = default_backend(world_size) if backend is None else backend
+    if backend is None:
+        backend = placement(device, world_size, 0).backend
     check_choice("backend", backend, BACKENDS)
     ctx = get_context(check_choice("start_method", start_method, START_METHODS))
     if start_method == "forkserver":

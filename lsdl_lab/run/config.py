@@ -151,7 +151,7 @@ class Config:
     )
     device: str = _opt(
         "auto",
-        "device (auto: cuda:LOCAL_RANK when present, else cpu)",
+        "device (auto: cuda:LOCAL_RANK with a GPU for each rank on this machine, else cpu)",
         choices=("auto", "cpu", "cuda"),
     )
     timeout: float = _opt(120.0, "seconds before a collective that cannot complete fails", low=1.0)

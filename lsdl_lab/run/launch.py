@@ -174,4 +174,7 @@ def spawn_run(config: Config, nproc: int = 2, *, timeout: float = 600.0) -> list
     if not isinstance(config, Config):
         raise TypeError(f"Invalid config: a {type(config).__name__} (expected a Config)")
     nproc = check_int("nproc", nproc, 1)
-    return spawn(run_rank, nproc, config, timeout=check_positive("timeout", timeout))[0]
+    timeout = check_positive("timeout", timeout)
+    # the world's backend as each rank's train() will place itself (lsdl_lab.dist.placement)
+    backend = None if config.backend == "auto" else config.backend
+    return spawn(run_rank, nproc, config, backend=backend, device=config.device, timeout=timeout)[0]

@@ -4,8 +4,10 @@ Under ``torchrun`` (the environment names ``RANK`` and ``WORLD_SIZE``) the proce
 the launcher's world with :func:`lsdl_lab.dist.init_from_env` (each round of restarted
 workers under its own keys of torchrun's store), every collective bounded by
 ``config.timeout``; alone, it runs as a world of one (with a process group of one
-only where ZeRO, FSDP2 or a compression hook need one). The device is ``cuda:LOCAL_RANK``
-where CUDA is present, else the CPU; the backend NCCL or gloo to match.
+only where ZeRO, FSDP2 or a compression hook need one). The device and backend are
+:func:`lsdl_lab.dist.placement`'s for ``config.device``: with ``auto``, ``cuda:LOCAL_RANK``
+and NCCL where the machine has a GPU for each of its ranks, else the CPU and gloo (a
+world of 2 on a one-GPU machine runs on the CPU); the run's first line says which.
 
 A step: every rank reads the global batch of step ``t``, keeps its slice, runs its
 micro-batches (forward under autocast when ``precision`` says so, the loss divided by the
@@ -38,7 +40,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._util import seed_from
-from ..dist.world import default_backend, free_port, init_from_env
+from ..dist.world import Placement, free_port, init_from_env, placement
 from ..memory import LossScaler, checkpoint_sequential
 from ..scale import capped_steps
 from ..train import NonFiniteLossError
@@ -66,27 +68,32 @@ class Checkpointed(nn.Sequential):
         return checkpoint_sequential(list(self), x, self.every, self.implementation)
 
 
-def _device(config: Config) -> torch.device:
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def _placement(config: Config) -> Placement:
+    """This rank's device and its world's backend: :func:`lsdl_lab.dist.placement` for
+    ``config.device`` (NCCL with a GPU per rank on this machine, else gloo on the CPU),
+    the backend ``config.backend`` where it is not ``auto``."""
+    where = placement(config.device)
+    if config.backend in ("auto", where.backend):
+        return where
+    if config.backend == "nccl":
+        raise ValueError(
+            f"Invalid backend: 'nccl' on {where.device} (expected 'gloo' or 'auto': NCCL "
+            f"needs CUDA tensors, one GPU per rank; here {where.reason})"
+        )
+    return Placement(where.device, "gloo", f"gloo on {where.device}, as asked")
 
 
-def _join(config: Config, device: torch.device) -> tuple[int, int, bool]:
+def _join(config: Config, backend: str) -> tuple[int, int, bool]:
     """(rank, world size, whether this call created the process group)."""
     if dist.is_initialized():  # a world started by lsdl_lab.dist.spawn
         return dist.get_rank(), dist.get_world_size(), False
-    backend = config.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
     # torchrun (each round of restarted workers under its own keys) or another launcher
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         rank, world = init_from_env(backend, config.timeout)
         return rank, world, True
     if config.parallel != "ddp" or config.compression != "none":
         dist.init_process_group(
-            backend if device.type == "cuda" else default_backend(0),
+            backend,
             init_method=f"tcp://127.0.0.1:{free_port()}",
             rank=0,
             world_size=1,
@@ -101,10 +108,10 @@ def train(config: Config) -> list[dict]:
     records (rank 0; the other ranks return an empty list)."""
     if not isinstance(config, Config):
         raise TypeError(f"Invalid config: a {type(config).__name__} (expected a Config)")
-    device = _device(config)
-    rank, world, created = _join(config, device)
+    where = _placement(config)
+    rank, world, created = _join(config, where.backend)
     try:
-        return _run(config, rank, world, device)
+        return _run(config, rank, world, where)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
@@ -156,7 +163,8 @@ def _gather(world: int, value) -> list:
     return out
 
 
-def _run(config: Config, rank: int, world: int, device: torch.device) -> list[dict]:
+def _run(config: Config, rank: int, world: int, where: Placement) -> list[dict]:
+    device = where.device
     micro, accumulation = _micro_batch(config, world)
     steps = capped_steps(config.steps)  # the identity, except in a dry run (lsdl_lab.scale)
     if config.kill_at_step >= 0 and config.kill_rank >= world:
@@ -167,7 +175,9 @@ def _run(config: Config, rank: int, world: int, device: torch.device) -> list[di
     path = out / CHECKPOINT
     _say(
         rank,
-        f"lsdl_lab.run: world size {world}, {config.parallel}, device {device}, "
+        f"lsdl_lab.run: world size {world}, {config.parallel}, device {device} "
+        f"({dist.get_backend() if dist.is_initialized() else 'no process group'}: "
+        f"{where.reason}), "
         f"{accumulation} micro-batch(es) of {micro} per rank and step\n{config.describe()}",
     )
     built = build(config, device)

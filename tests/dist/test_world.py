@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dist_workers  # noqa: E402
 
-from lsdl_lab.dist import WorkerError, init_from_env, spawn  # noqa: E402
+from lsdl_lab.dist import WorkerError, init_from_env, placement, spawn  # noqa: E402
 
 SERVERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
@@ -161,3 +161,58 @@ def test_a_world_under_torchrun():
     assert run.returncode == 0, run.stderr[-3000:]
     lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank"))
     assert lines == ["rank 0 of 2: sum 1 on gloo", "rank 1 of 2: sum 1 on gloo"]
+
+
+def gpus(monkeypatch, n: int) -> None:
+    """Make this process see ``n`` GPUs (only placement reads these two answers)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+@pytest.mark.parametrize(
+    "machine_gpus, device, ranks, local_rank, expected",
+    [
+        (0, "auto", 1, 0, ("cpu", "gloo")),
+        (0, "auto", 2, 1, ("cpu", "gloo")),
+        (1, "auto", 1, 0, ("cuda:0", "nccl")),
+        (1, "auto", 2, 1, ("cpu", "gloo")),  # Colab: two ranks, one GPU
+        (2, "auto", 2, 1, ("cuda:1", "nccl")),  # Kaggle: a GPU per rank
+        (2, "cpu", 2, 1, ("cpu", "gloo")),  # CPU tensors never go to NCCL
+        (2, "cuda", 2, 0, ("cuda:0", "nccl")),
+        (8, "auto", 4, 3, ("cuda:3", "nccl")),
+    ],
+)
+def test_placement_gives_nccl_only_with_a_gpu_per_rank(
+    monkeypatch, machine_gpus, device, ranks, local_rank, expected
+):
+    gpus(monkeypatch, machine_gpus)
+    where = placement(device, ranks, local_rank)
+    assert (str(where.device), where.backend) == expected
+    assert where.backend in where.reason or "NCCL" in where.reason
+    assert f"{ranks} rank" in where.reason
+
+
+def test_placement_refuses_more_cuda_ranks_than_gpus_and_reads_the_environment(monkeypatch):
+    gpus(monkeypatch, 1)
+    with pytest.raises(ValueError, match=r"Invalid device: 'cuda' for 2 ranks.*1 GPU"):
+        placement("cuda", 2, 0)
+    with pytest.raises(ValueError, match="Invalid device: 'tpu'"):
+        placement("tpu")
+    with pytest.raises(ValueError, match=r"Invalid local_rank: 2 \(expected an int in \[0, 1\]"):
+        placement("auto", 2, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert placement("auto") == placement("auto", 2, 1)
+    assert placement("auto").device == torch.device("cpu")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_RANK")
+    assert placement("auto").device == torch.device("cuda", 0)
+
+
+def test_spawned_workers_get_gloo_on_a_machine_with_a_gpu_per_rank(monkeypatch):
+    """The backend is chosen in the caller: with two GPUs seen there, a world whose
+    workers hand CPU tensors to collectives (the default) still gets gloo."""
+    gpus(monkeypatch, 2)
+    results = spawn(dist_workers.describe, 2, timeout=30)
+    assert [r["backend"] for r in results] == ["gloo", "gloo"]
+    assert [r["total"] for r in results] == [3.0, 3.0]

@@ -21,6 +21,7 @@ from lsdl_lab import compress
 from lsdl_lab.dist import call_each, free_port, spawn
 from lsdl_lab.run import Config, read_metrics, run_rank, train
 from lsdl_lab.run.checkpoint import load
+from lsdl_lab.run.loop import _placement
 
 # float64 sums of two ranks' halves against one process's whole batch differ in the last
 # bits; after a few Adam steps that is ~1e-16 (measured 5.6e-17 on the weights).
@@ -214,6 +215,7 @@ def test_bad_combinations_are_refused_naming_the_option(tmp_path):
         (dict(global_batch=1000), r"Invalid global_batch: 1000 \(expected an int in \[1, 512\]"),
         (dict(optimizer="SM3", weight_decay=0.1), "Invalid weight_decay: 0.1"),
         (dict(data="python_source"), "Invalid data: 'python_source'"),
+        (dict(device="cpu", backend="nccl"), "Invalid backend: 'nccl' on cpu"),
     ]
     for changes, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -258,3 +260,28 @@ def test_a_dry_run_stops_every_rank_at_the_capped_step_with_as_many_micro_batche
         assert load(Path(c.out_dir) / "checkpoint.pt")["step"] == 2  # saved at the end
     losses = [r["loss"] for r in whole]
     assert [r["loss"] for r in accumulated] == pytest.approx(losses, rel=TOL, abs=0)
+
+
+def test_a_world_larger_than_the_machines_gpus_runs_on_the_cpu_and_says_so(
+    tmp_path, monkeypatch, capsys
+):
+    """A rank of two on a machine whose (pretended) one GPU cannot hold both is placed on
+    the CPU with gloo (lsdl_lab.dist.placement); with a GPU per rank it gets its GPU and
+    NCCL, or gloo where the config asks. A run's first line says where it runs and why."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    auto = make(BASE, steps=1, warmup_steps=0)
+    assert _placement(auto)[:2] == (torch.device("cpu"), "gloo")
+    with pytest.raises(ValueError, match="Invalid device: 'cuda' for 2 ranks"):
+        _placement(auto.replace(device="cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _placement(auto)[:2] == (torch.device("cuda", 1), "nccl")
+    assert _placement(auto.replace(backend="gloo"))[:2] == (torch.device("cuda", 1), "gloo")
+    assert _placement(auto.replace(device="cpu"))[:2] == (torch.device("cpu"), "gloo")
+    monkeypatch.undo()
+    train(auto.replace(out_dir=str(tmp_path / "one"), device="cpu"))
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("lsdl_lab.run: world size 1, ddp, device cpu (no process group: ")
+    assert "gloo on the CPU, as asked (1 rank on this machine)" in first
