@@ -301,12 +301,18 @@ class GPT(_Counted):
         temperature: float = 1.0,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Sample ``new_tokens`` continuations of ``idx`` (B, T), one token at a time."""
+        """Sample ``new_tokens`` continuations of ``idx`` (B, T), one token at a time.
+
+        A ``generator`` draws on its own device (a CPU one, as ``lsdl_lab``'s seeded
+        generators, also for a model on the GPU); the tokens come back on ``idx``'s."""
         check_int("new_tokens", new_tokens, 0)
         check_positive("temperature", temperature)
         for _ in range(new_tokens):
             logits = self(idx[:, -self.block_size :])[:, -1] / temperature
-            nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            probs = logits.softmax(-1)
+            if generator is not None:
+                probs = probs.to(generator.device)
+            nxt = torch.multinomial(probs, 1, generator=generator).to(idx.device)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
 

@@ -335,9 +335,10 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    # An RNG state must be a CPU tensor; a checkpoint loaded onto a GPU has moved them there.
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def save_checkpoint(path, **state) -> Path:
@@ -551,6 +552,8 @@ def fit(
         if scheduler is not None and result.stepped:
             scheduler.step()
         window.add(result.loss, result.examples, result.counts)
+        if device.type == "cuda":  # the GPU's work, not only its launch, in the step's time
+            torch.cuda.synchronize(device)
         elapsed += time.perf_counter() - t0
         done = t + 1
         if when.due(when.log_every, done):

@@ -16,9 +16,9 @@ EXACT = dict(rtol=0.0, atol=0.0)
 
 
 @pytest.mark.parametrize("hw,channels", [(8, 1), (28, 1), (32, 3)])
-def test_resnet_input_sizes(hw, channels):
-    m = models.ResNet(depth=8, width=4, num_classes=10, in_channels=channels)
-    assert m(torch.randn(2, channels, hw, hw)).shape == (2, 10)
+def test_resnet_input_sizes(hw, channels, device):
+    m = models.ResNet(depth=8, width=4, num_classes=10, in_channels=channels).to(device)
+    assert m(torch.randn(2, channels, hw, hw, device=device)).shape == (2, 10)
 
 
 def test_resnet20_has_the_papers_parameter_count():
@@ -89,10 +89,10 @@ def test_mlp_bad_arguments(kwargs, error, name):
         models.MLP(**args)
 
 
-def test_gpt_is_causal():
+def test_gpt_is_causal(device):
     torch.manual_seed(0)
-    m = models.GPT(vocab_size=11, block_size=16, layers=2, heads=2, dim=16).eval()
-    idx = torch.randint(11, (1, 16))
+    m = models.GPT(vocab_size=11, block_size=16, layers=2, heads=2, dim=16).to(device).eval()
+    idx = torch.randint(11, (1, 16)).to(device)
     changed = idx.clone()
     changed[0, 10:] = (changed[0, 10:] + 1) % 11
     a, b = m(idx), m(changed)
@@ -107,10 +107,10 @@ def test_gpt_ties_weights_and_counts_them_once():
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.integers(1, 3), st.integers(1, 16), st.sampled_from([1, 2, 4]))
-def test_gpt_output_shape(batch, t, heads):
-    m = models.GPT(vocab_size=7, block_size=16, layers=1, heads=heads, dim=8)
-    assert m(torch.randint(7, (batch, t))).shape == (batch, t, 7)
+@given(batch=st.integers(1, 3), t=st.integers(1, 16), heads=st.sampled_from([1, 2, 4]))
+def test_gpt_output_shape(batch, t, heads, device):
+    m = models.GPT(vocab_size=7, block_size=16, layers=1, heads=heads, dim=8).to(device)
+    assert m(torch.randint(7, (batch, t), device=device)).shape == (batch, t, 7)
 
 
 def test_gpt_rejects_long_sequences_and_bad_heads():
@@ -129,12 +129,15 @@ def test_gpt_rejects_long_sequences_and_bad_heads():
         models.GPT(vocab_size=0)
 
 
-def test_generate_is_seeded():
-    m = models.GPT(vocab_size=7, block_size=4, layers=1, heads=2, dim=8)
-    start = torch.zeros(1, 1, dtype=torch.long)
+def test_generate_is_seeded(device):
+    m = models.GPT(vocab_size=7, block_size=4, layers=1, heads=2, dim=8).to(device)
+    start = torch.zeros(1, 1, dtype=torch.long, device=device)
+    # a CPU generator (as lsdl_lab's seeded ones) also for a model on the GPU
     a = m.generate(start, 10, generator=torch.Generator().manual_seed(1))
     b = m.generate(start, 10, generator=torch.Generator().manual_seed(1))
-    assert a.shape == (1, 11) and torch.equal(a, b)
+    assert a.shape == (1, 11) and a.device.type == device.type and torch.equal(a, b)
+    unseeded = m.generate(start, 3)  # torch's global generator, on the device
+    assert unseeded.device.type == device.type
     with pytest.raises(ValueError, match="Invalid temperature"):
         m.generate(start, 3, temperature=0.0)
     with pytest.raises(TypeError, match="Invalid new_tokens"):
@@ -154,7 +157,7 @@ def test_models_for_profiles_grow():
 # -- ghost batch normalization (Hoffer et al., 2017) ------------------------------------------
 
 
-def bn_pair(ghost_batch_size, seed=0, **kwargs):
+def bn_pair(ghost_batch_size, seed=0, device="cpu", **kwargs):
     torch.manual_seed(seed)
     bn = nn.BatchNorm2d(3, **kwargs).double()
     with torch.no_grad():
@@ -163,12 +166,12 @@ def bn_pair(ghost_batch_size, seed=0, **kwargs):
             bn.bias.uniform_(-1.0, 1.0)
     ghost = GhostBatchNorm2d(3, ghost_batch_size, **kwargs).double()
     ghost.load_state_dict(bn.state_dict())
-    return bn, ghost
+    return bn.to(device), ghost.to(device)
 
 
-def images(n, seed=0):
+def images(n, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return 2 * torch.randn(n, 3, 4, 4, generator=gen, dtype=torch.float64) + 1
+    return (2 * torch.randn(n, 3, 4, 4, generator=gen, dtype=torch.float64) + 1).to(device)
 
 
 def assert_same_state(a, b):
@@ -177,9 +180,9 @@ def assert_same_state(a, b):
 
 
 @pytest.mark.parametrize("ghost_batch_size", [16, 100])
-def test_ghost_batch_holding_the_whole_batch_is_batchnorm(ghost_batch_size):
-    bn, ghost = bn_pair(ghost_batch_size)
-    x = images(16)
+def test_ghost_batch_holding_the_whole_batch_is_batchnorm(ghost_batch_size, device):
+    bn, ghost = bn_pair(ghost_batch_size, device=device)
+    x = images(16, device=device)
     torch.testing.assert_close(ghost(x), bn(x), **EXACT)
     assert_same_state(ghost, bn)
 
@@ -190,10 +193,12 @@ def test_ghost_batch_holding_the_whole_batch_is_batchnorm(ghost_batch_size):
     ghost_batch_size=st.integers(2, 12),
     momentum=st.sampled_from([0.1, 0.5, None]),
 )
-def test_each_ghost_batch_is_normalized_with_its_own_statistics(n, ghost_batch_size, momentum):
+def test_each_ghost_batch_is_normalized_with_its_own_statistics(
+    n, ghost_batch_size, momentum, device
+):
     # x.split(ghost_batch_size): when n is not a multiple, the last ghost batch is smaller.
-    bn, ghost = bn_pair(ghost_batch_size, momentum=momentum)
-    x = images(n)
+    bn, ghost = bn_pair(ghost_batch_size, device=device, momentum=momentum)
+    x = images(n, device=device)
     chunks = x.split(ghost_batch_size)
     expected = torch.cat([bn(c) for c in chunks])  # running statistics: one update a chunk
     torch.testing.assert_close(ghost(x), expected, rtol=1e-12, atol=1e-12)
@@ -201,19 +206,19 @@ def test_each_ghost_batch_is_normalized_with_its_own_statistics(n, ghost_batch_s
     assert ghost.num_batches_tracked.item() == len(chunks)
 
 
-def test_ghost_batch_norm_differs_from_batchnorm_and_matches_it_in_eval():
-    bn, ghost = bn_pair(4)
-    x = images(16)
+def test_ghost_batch_norm_differs_from_batchnorm_and_matches_it_in_eval(device):
+    bn, ghost = bn_pair(4, device=device)
+    x = images(16, device=device)
     assert not torch.allclose(ghost(x), bn(x))  # four ghost batches, not one batch
     ghost.load_state_dict(bn.state_dict())  # their running statistics moved differently
     bn.eval(), ghost.eval()
     torch.testing.assert_close(ghost(x), bn(x), **EXACT)
 
 
-def test_ghost_batch_norm_replaces_every_batchnorm_in_place():
+def test_ghost_batch_norm_replaces_every_batchnorm_in_place(device):
     torch.manual_seed(0)
-    model = ResNet(depth=8, width=4, num_classes=10, in_channels=1)
-    x = torch.randn(8, 1, 8, 8)
+    model = ResNet(depth=8, width=4, num_classes=10, in_channels=1).to(device)
+    x = torch.randn(8, 1, 8, 8).to(device)
     model(x)  # training mode: running statistics move away from their initial values
     model.eval()
     reference = copy.deepcopy(model)
@@ -225,8 +230,8 @@ def test_ghost_batch_norm_replaces_every_batchnorm_in_place():
     model.train()
     assert model(x).shape == (8, 10)
     assert ghost_batch_norm(model, 4).stem[1].ghost_batch_size == 4
-    single = ghost_batch_norm(nn.BatchNorm2d(3), 2)
-    assert isinstance(single, GhostBatchNorm2d)
+    single = ghost_batch_norm(nn.BatchNorm2d(3, device=device), 2)
+    assert isinstance(single, GhostBatchNorm2d) and single.running_mean.device.type == device.type
 
 
 @pytest.mark.parametrize("bad", [0, -2])

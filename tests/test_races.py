@@ -13,28 +13,24 @@ from torch import nn
 from lsdl_lab import optim, races
 
 
-def data():
+def data(device="cpu"):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 5, generator=g)
     y = (x @ torch.randn(5, 3, generator=g)).argmax(1)
-    return x, y
+    return x.to(device), y.to(device)
 
 
-def make_model():
+def make_model(device="cpu"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-def full_batch(t):
-    return data()
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).to(device)
 
 
 def full_loss(model):
-    x, y = data()
+    x, y = data(next(model.parameters()).device)
     return F.cross_entropy(model(x), y).item()
 
 
-def test_every_protocol_steps_and_the_same_start():
+def test_every_protocol_steps_and_the_same_start(device):
     opts = {
         "SGD": lambda m: optim.SGD(m.parameters(), lr=0.1),
         "K-FAC": lambda m: optim.KFAC(m, lr=0.1, seed=0),
@@ -42,8 +38,11 @@ def test_every_protocol_steps_and_the_same_start():
         "Newton": lambda m: optim.Newton(m.parameters(), damping=1e-2, line_search=True),
         "HF": lambda m: optim.HessianFree(m.parameters(), cg_iters=10),
     }
-    runs = races.race(make_model, opts, full_batch, 5, F.cross_entropy, full_loss)
-    start = full_loss(make_model())
+    batches = data(device)
+    runs = races.race(
+        lambda: make_model(device), opts, lambda t: batches, 5, F.cross_entropy, full_loss
+    )
+    start = full_loss(make_model(device))
     for name, run in runs.items():
         assert run.steps == 5 and len(run.losses) == 5 and not run.diverged, name
         assert run.losses[-1] < start, (name, run.losses, start)
@@ -56,13 +55,14 @@ def test_every_protocol_steps_and_the_same_start():
     assert runs["HF"].state_bytes == 4 * runs["HF"].num_parameters
 
 
-def test_state_bytes_counts_nested_state():
-    model = make_model()
+def test_state_bytes_counts_nested_state(device):
+    model = make_model(device)
     adam = optim.Adam(model.parameters())
     shampoo = optim.Shampoo(model.parameters(), grafting="none")
     for opt in (adam, shampoo):
         model.zero_grad()
-        F.cross_entropy(model(data()[0]), data()[1]).backward()
+        x, y = data(device)
+        F.cross_entropy(model(x), y).backward()
         opt.step()
     assert races.state_bytes(adam) == 2 * 4 * 75  # two moments (the step counts are numbers)
     # Shampoo: per weight (8 x 5, 3 x 8) a statistic and a root on each side, per bias one
@@ -90,7 +90,7 @@ def test_steps_and_seconds_to_a_target():
         races.relative_cost({"r": run}, "b", 1.0)
 
 
-def test_divergence_stops_the_run():
+def test_divergence_stops_the_run(device):
     calls = []
 
     def blows_up(out, y):  # finite for two steps, then NaN
@@ -98,13 +98,14 @@ def test_divergence_stops_the_run():
         return F.cross_entropy(out, y) * (1.0 if len(calls) <= 2 else math.nan)
 
     opts = {"SGD": lambda m: optim.SGD(m.parameters(), lr=0.1)}
-    run = races.race(make_model, opts, full_batch, 50, blows_up)["SGD"]
+    batches = data(device)
+    run = races.race(lambda: make_model(device), opts, lambda t: batches, 50, blows_up)["SGD"]
     assert run.diverged and run.steps == 3 and run.final_loss() == math.inf
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="optimizers"):
-        races.race(make_model, {}, full_batch, 5, F.cross_entropy)
+        races.race(make_model, {}, lambda t: data(), 5, F.cross_entropy)
     with pytest.raises(ValueError, match="steps"):
         races.race(make_model, {"SGD": lambda m: optim.SGD(m.parameters(), lr=0.1)},
-                   full_batch, 0, F.cross_entropy)  # fmt: skip
+                   lambda t: data(), 0, F.cross_entropy)  # fmt: skip

@@ -45,22 +45,43 @@ def token_batches(vocab=13, block=8, batch=4):
     return batches
 
 
-def make_resnet():
+def make_resnet(device="cpu"):
     torch.manual_seed(0)
-    m = models.ResNet(8, 4, 4, 1)
+    m = models.ResNet(8, 4, 4, 1).to(device)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 10))
     return m, opt, sched
 
 
-def make_gpt():
+def make_gpt(device="cpu"):
     torch.manual_seed(0)
-    m = models.GPT(13, block_size=8, layers=1, heads=2, dim=16, dropout=0.2)
+    m = models.GPT(13, block_size=8, layers=1, heads=2, dim=16, dropout=0.2).to(device)
     return m, torch.optim.AdamW(m.parameters(), lr=3e-3), None
 
 
 class Killed(Exception):
     pass
+
+
+# On CUDA two runs of the same steps may differ in their last bits: some kernels add in an
+# order that varies from run to run (cuDNN's convolution backward, NLLLoss; see
+# torch.use_deterministic_algorithms), and training carries the difference on. A resume
+# that lost any state (RNG, data order, moments, schedule) is off by whole updates, 1e-3
+# and more, so the CUDA half compares to 1e-4; the CPU half, bit for bit.
+CUDA_RUN_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+
+
+def assert_same_run(state: dict, expected: dict, device: torch.device) -> None:
+    for k, v in state.items():
+        if device.type == "cpu":
+            assert torch.equal(v, expected[k]), k
+        else:
+            torch.testing.assert_close(v, expected[k], **CUDA_RUN_TOLERANCE, msg=k)
+
+
+def same_losses(records: list[dict], device: torch.device):
+    losses = [r["loss"] for r in records]
+    return losses if device.type == "cpu" else pytest.approx(losses, rel=1e-4)
 
 
 def kill_at(step):
@@ -78,16 +99,17 @@ def kill_at(step):
         (make_gpt, "language_modeling", token_batches()),
     ],
 )
-def test_resume_is_bit_exact(tmp_path, make, task, batches):
-    """A run killed after its step-20 checkpoint and resumed equals an uninterrupted run."""
-    model, opt, sched = make()
+def test_resume_is_bit_exact(tmp_path, make, task, batches, device):
+    """A run killed after its step-20 checkpoint and resumed equals an uninterrupted run
+    (on CUDA too, where the checkpoint's RNG states are loaded onto the GPU first)."""
+    model, opt, sched = make(device)
     ref = train.fit(
         model, opt, batches, steps=40, task=task, scheduler=sched, progress=False, log_every=5
     )
     expected = {k: v.clone() for k, v in model.state_dict().items()}
 
     ckpt = tmp_path / "run.pt"
-    model, opt, sched = make()
+    model, opt, sched = make(device)
     with pytest.raises(Killed):
         train.fit(
             model,
@@ -103,7 +125,7 @@ def test_resume_is_bit_exact(tmp_path, make, task, batches):
             callback=kill_at(27),
         )
     torch.manual_seed(123)  # a resumed process starts with other RNG state; the checkpoint fixes it
-    model, opt, sched = make()
+    model, opt, sched = make(device)
     resumed = train.fit(
         model,
         opt,
@@ -116,9 +138,8 @@ def test_resume_is_bit_exact(tmp_path, make, task, batches):
         checkpoint=ckpt,
         resume=True,
     )
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, expected[k]), k
-    assert [r["loss"] for r in resumed.train] == [r["loss"] for r in ref.train]
+    assert_same_run(model.state_dict(), expected, device)
+    assert [r["loss"] for r in resumed.train] == same_losses(ref.train, device)
     assert [r["step"] for r in resumed.train] == list(range(5, 41, 5))
 
 
@@ -162,12 +183,12 @@ class _Payload:
         return (print, ("this ran while loading a checkpoint",))
 
 
-def test_checkpoints_load_with_weights_only(tmp_path):
+def test_checkpoints_load_with_weights_only(tmp_path, device):
     """What fit saves (model, optimizer, scheduler, a stateful step, history, RNG states)
     loads with torch.load(weights_only=True); a checkpoint that needs a full unpickle is
     refused, not run."""
     batches, _ = image_batches()
-    model, opt, sched = make_resnet()
+    model, opt, sched = make_resnet(device)
     path = tmp_path / "c.pt"
     step = CountingClippedStep()
     train.fit(
@@ -186,9 +207,9 @@ def test_checkpoints_load_with_weights_only(tmp_path):
         train.fit(model, opt, batches, steps=4, progress=False, checkpoint=evil, resume=True)
 
 
-def test_non_finite_loss_names_the_step_and_spares_the_parameters():
+def test_non_finite_loss_names_the_step_and_spares_the_parameters(device):
     batches, _ = image_batches()
-    model, opt, _ = make_resnet()
+    model, opt, _ = make_resnet(device)
 
     def poisoned(t):
         x, y = batches(t)
@@ -200,19 +221,19 @@ def test_non_finite_loss_names_the_step_and_spares_the_parameters():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_divergent_learning_rate_stops_with_clear_error():
+def test_divergent_learning_rate_stops_with_clear_error(device):
     batches, _ = image_batches()
     torch.manual_seed(0)
-    model = models.MLP(64, 4, hidden=32)
+    model = models.MLP(64, 4, hidden=32).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e6)
     with pytest.raises(train.NonFiniteLossError, match=r"at step \d+ \(lr=1e\+06\)"):
         train.fit(model, opt, batches, steps=50, progress=False)
 
 
-def test_training_learns_and_history_is_complete():
+def test_training_learns_and_history_is_complete(device):
     batches, evals = image_batches(n=256, batch=32)
     torch.manual_seed(0)
-    model = models.MLP(64, 4, hidden=64)
+    model = models.MLP(64, 4, hidden=64).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     h = train.fit(model, opt, batches, epochs=10, eval_batches=evals, progress=False)
     steps = 10 * batches.steps_per_epoch
@@ -228,22 +249,25 @@ def test_training_learns_and_history_is_complete():
         h.series("perplexity")
 
 
-def test_evaluate_matches_manual_average_and_restores_mode():
-    _, evals = image_batches()
-    model = models.ResNet(8, 4, 4, 1).train()
+def test_evaluate_matches_manual_average_and_restores_mode(device):
+    _, evals = image_batches()  # on the CPU: evaluate moves each batch to the model's device
+    model = models.ResNet(8, 4, 4, 1).to(device).train()
     m = train.evaluate(model, evals)
     assert model.training
     model.eval()
+    # batch by batch, as evaluate runs them: a batch of 96 could be convolved by another
+    # cuDNN algorithm than one of 48, in TF32 (torch.backends.cudnn.allow_tf32)
     with torch.no_grad():
-        x = torch.cat([b[0] for b in evals])
-        y = torch.cat([b[1] for b in evals])
-        out = model(x)
-    assert math.isclose(m["loss"], nn.functional.cross_entropy(out, y).item(), rel_tol=1e-5)
-    assert m["accuracy"] == (out.argmax(1) == y).sum().item() / len(y)
+        outputs = [(model(x.to(device)), y.to(device)) for x, y in evals]
+    n = sum(len(y) for _, y in outputs)
+    loss_sum = sum(nn.functional.cross_entropy(out, y, reduction="sum") for out, y in outputs)
+    correct = sum((out.argmax(1) == y).sum().item() for out, y in outputs)
+    assert math.isclose(m["loss"], loss_sum.item() / n, rel_tol=1e-5)
+    assert m["accuracy"] == correct / n
 
 
-def test_language_modeling_reports_perplexity():
-    model, opt, _ = make_gpt()
+def test_language_modeling_reports_perplexity(device):
+    model, opt, _ = make_gpt(device)
     batches = token_batches()
     evals = [batches(10_000 + i) for i in range(3)]
     h = train.fit(
@@ -254,10 +278,10 @@ def test_language_modeling_reports_perplexity():
     assert ppl < 13  # below the uniform guess over 13 tokens
 
 
-def test_gradient_clipping_bounds_the_update():
+def test_gradient_clipping_bounds_the_update(device):
     batches, _ = image_batches()
     torch.manual_seed(0)
-    model = models.MLP(64, 4, hidden=16)
+    model = models.MLP(64, 4, hidden=16).to(device)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     step = functools.partial(train.train_step, clip_grad_norm=1e-3)
@@ -342,9 +366,9 @@ def test_epochs_need_a_batch_source_with_steps_per_epoch():
     assert "epoch" not in h.train[-1]
 
 
-def test_a_custom_step_is_called_with_model_optimizer_batch_task_and_logged():
+def test_a_custom_step_is_called_with_model_optimizer_batch_task_and_logged(device):
     batches, _ = image_batches()
-    model, opt, sched = make_resnet()
+    model, opt, sched = make_resnet(device)
     calls = []
 
     def step(model_, optimizer_, batch, task):
@@ -360,7 +384,8 @@ def test_a_custom_step_is_called_with_model_optimizer_batch_task_and_logged():
     assert len(calls) == 6
     for t, (m, o, batch, task) in enumerate(calls):
         assert m is model and o is opt and isinstance(task, train.Classification)
-        assert all(torch.equal(a, b) for a, b in zip(batch, batches(t)))
+        assert all(a.device.type == device.type for a in batch)  # fit moved the batch to the model
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(batch, batches(t)))
     # the window's mean loss over equal batches, the counts summed into the task's metric
     assert [r["loss"] for r in h.train] == [2.0, 5.0]
     assert [r["accuracy"] for r in h.train] == [9 / 48, 9 / 48]
@@ -370,11 +395,11 @@ def test_a_custom_step_is_called_with_model_optimizer_batch_task_and_logged():
 
 
 @pytest.mark.parametrize("clip", [None, 1e-3])
-def test_the_logged_gradient_norm_is_the_step_s_before_clipping(clip):
+def test_the_logged_gradient_norm_is_the_step_s_before_clipping(clip, device):
     batches, _ = image_batches()
     torch.manual_seed(0)
-    model = models.MLP(64, 4, hidden=16)
-    x, y = batches(0)
+    model = models.MLP(64, 4, hidden=16).to(device)
+    x, y = (t.to(device) for t in batches(0))
     nn.functional.cross_entropy(model(x), y).backward()
     expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad()
@@ -391,9 +416,9 @@ def test_non_finite_loss_from_a_step_without_a_step_number():
     assert "became inf at step 3 (lr=0.5)" in str(error.at(3))
 
 
-def test_evaluate_on_language_modeling_averages_over_tokens():
-    model, _, _ = make_gpt()
-    tokens = token_batches(block=8, batch=4)(0)
+def test_evaluate_on_language_modeling_averages_over_tokens(device):
+    model, _, _ = make_gpt(device)
+    tokens = [t.to(device) for t in token_batches(block=8, batch=4)(0)]
     short = (tokens[0][:1, :2], tokens[1][:1, :2])  # one sequence of 2 tokens
     evals = [tokens, short]
     m = train.evaluate(model, evals, "language_modeling")
@@ -406,9 +431,9 @@ def test_evaluate_on_language_modeling_averages_over_tokens():
     assert math.isclose(m["loss"], sum(losses).item() / (4 * 8 + 2), rel_tol=1e-6)
 
 
-def test_evaluate_restores_every_submodule_mode_even_when_a_batch_raises():
+def test_evaluate_restores_every_submodule_mode_even_when_a_batch_raises(device):
     _, evals = image_batches()
-    model = models.ResNet(8, 4, 4, 1).train()
+    model = models.ResNet(8, 4, 4, 1).to(device).train()
     frozen = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d)).eval()
     modes = {name: m.training for name, m in model.named_modules()}
 
@@ -426,11 +451,13 @@ def test_evaluate_restores_every_submodule_mode_even_when_a_batch_raises():
         train.evaluate(model, [])
 
 
-def test_accuracy_is_the_fraction_of_rows_whose_top_logit_is_the_target():
-    output = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 1.0], [0.0, 0.0, 5.0], [2.0, 1.0, 0.0]])
-    target = torch.tensor([1, 1, 2, 0])
+def test_accuracy_is_the_fraction_of_rows_whose_top_logit_is_the_target(device):
+    output = torch.tensor(
+        [[1.0, 2.0, 0.0], [3.0, 0.0, 1.0], [0.0, 0.0, 5.0], [2.0, 1.0, 0.0]], device=device
+    )
+    target = torch.tensor([1, 1, 2, 0], device=device)
     acc = train.accuracy(output, target)
-    assert acc.dtype == torch.float64 and acc.ndim == 0
+    assert acc.dtype == torch.float64 and acc.ndim == 0 and acc.device.type == device.type
     assert acc.item() == 0.75
 
 
@@ -452,16 +479,16 @@ class CountingClippedStep(train.StatefulStep):
         self.calls = state["calls"]
 
 
-def test_a_stateful_step_is_checkpointed_and_resumed_exactly(tmp_path):
+def test_a_stateful_step_is_checkpointed_and_resumed_exactly(tmp_path, device):
     batches, _ = image_batches()
-    model, opt, _ = make_resnet()
+    model, opt, _ = make_resnet(device)
     step = CountingClippedStep()
     train.fit(model, opt, batches, steps=12, step=step, progress=False)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     assert step.calls == 12
 
     ckpt = tmp_path / "run.pt"
-    model, opt, _ = make_resnet()
+    model, opt, _ = make_resnet(device)
     with pytest.raises(Killed):
         train.fit(
             model,
@@ -474,14 +501,13 @@ def test_a_stateful_step_is_checkpointed_and_resumed_exactly(tmp_path):
             checkpoint_every=5,
             callback=kill_at(7),
         )
-    model, opt, _ = make_resnet()
+    model, opt, _ = make_resnet(device)
     step = CountingClippedStep()
     train.fit(
         model, opt, batches, steps=12, step=step, progress=False, checkpoint=ckpt, resume=True
     )
     assert step.calls == 12  # 5 restored from the checkpoint, 7 run
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, expected[k]), k
+    assert_same_run(model.state_dict(), expected, device)
 
 
 def test_resuming_with_a_part_the_checkpoint_lacks_is_a_clear_error(tmp_path):

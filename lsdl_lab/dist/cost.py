@@ -145,12 +145,18 @@ def measure_collective(
     the timed ones warms the connections and the allocator. The repeats go round the sizes
     (all sizes, then all again), so a burst of load from another process on the machine
     lands on every size alike instead of bending the curve at one of them.
+
+    The tensors are where the group's backend takes them: on this rank's GPU under NCCL
+    (timed after a synchronization, as a CUDA collective returns before it is done), on the
+    CPU under gloo.
     """
     repeats = check_int("repeats", repeats, 1)
     check_choice("statistic", statistic, ("median", "min"))
+    on_gpu = dist.get_backend(group) == dist.Backend.NCCL  # NCCL moves CUDA tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     itemsize = torch.empty(0, dtype=dtype).element_size()
     counts = [check_int("nbytes", n, itemsize) // itemsize for n in nbytes]
-    tensors = [torch.ones(count, dtype=dtype) for count in counts]
+    tensors = [torch.ones(count, dtype=dtype, device=device) for count in counts]
     times = torch.empty(repeats, len(tensors), dtype=torch.float64)
     for x in tensors:
         collective(x, group=group)
@@ -159,6 +165,9 @@ def measure_collective(
             dist.barrier(group)
             start = time.perf_counter()
             collective(x, group=group)
+            if on_gpu:
+                torch.cuda.synchronize(device)
             times[i, j] = time.perf_counter() - start
+    times = times.to(device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return (times.median(dim=0) if statistic == "median" else times.min(dim=0)).values.tolist()

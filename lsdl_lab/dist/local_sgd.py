@@ -178,7 +178,8 @@ def overlap_times(
       backward.
 
     Small buckets overlap more but pay the latency alpha once per bucket; one huge
-    bucket cannot start before the backward ends. Every rank must call it.
+    bucket cannot start before the backward ends. Every rank must call it. With ``x`` on
+    a GPU each call is timed to a synchronization (CUDA work returns before it is done).
     """
     repeats = check_int("repeats", repeats, 1)
     for cap in bucket_caps_mb:
@@ -205,7 +206,10 @@ def overlap_times(
             dist.barrier()
             start = time.perf_counter()
             run(j)
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
             times[i, j] = time.perf_counter() - start
+    times = times.to(x.device)  # NCCL reduces CUDA tensors only
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     medians = times.median(dim=0).values.tolist()
     return {name: t for (name, _), t in zip(configs, medians, strict=True)}

@@ -20,7 +20,10 @@ each carries a version number: a message is one flat float64 tensor ``[version, 
 
 ``gradient(w, worker, k)`` is the workers' gradient (worker 0..p-2, its k-th call): an
 importable function, like any worker of :func:`~lsdl_lab.dist.spawn`. All messages are
-float64 and every run is meant to be called by every rank as the body of a spawned world.
+float64 CPU tensors, and so are the weights, since the server receives from whichever
+worker is done first, which gloo's point-to-point can and NCCL's cannot (a gradient
+computed on a GPU is moved to the CPU to be sent). Every run is meant to be called by
+every rank as the body of a spawned (gloo) world.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ STOP = -1.0  # the version of the message that sends a worker home
 
 
 def push(version: float, data: torch.Tensor, to: int) -> None:
-    """Send ``[version, data...]`` to rank ``to`` (blocking)."""
-    dist.send(torch.cat([torch.tensor([float(version)], dtype=torch.float64), data]), to)
+    """Send ``[version, data...]`` to rank ``to`` (blocking), from the CPU."""
+    dist.send(torch.cat([torch.tensor([float(version)], dtype=torch.float64), data.cpu()]), to)
 
 
 def pull(size: int, source: int | None = None) -> tuple[float, torch.Tensor, int]:
@@ -68,7 +71,7 @@ def _check(rank, world_size, w0, lr, steps) -> torch.Tensor:
     check_int("world_size", world_size, 2)
     check_positive("lr", lr)
     check_int("steps", steps, 1)
-    return w0.detach().to(torch.float64).reshape(-1).clone()
+    return w0.detach().to("cpu", torch.float64).reshape(-1).clone()
 
 
 def synchronous_sgd(rank, world_size, w0, gradient, lr: float, steps: int):

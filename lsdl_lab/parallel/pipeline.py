@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._util import check_choice, check_int
+from .._util import check_choice, check_int, device_of
 
 __all__ = [
     "SCHEDULES",
@@ -127,7 +127,8 @@ def pipeline_step(
     The rank's index in ``group`` is its stage. The first stage reads ``inputs`` (m
     micro-batches), the last applies ``loss_fn(output, targets[j])`` to micro-batch j;
     the others may pass ``None`` for both. Between stages every activation has
-    ``activation_shape`` and ``dtype`` (default: the stage's parameters' dtype).
+    ``activation_shape`` and ``dtype`` (default: the stage's parameters' dtype) and is
+    received on the device of the stage's parameters.
     Gradients accumulate in ``stage_module``'s ``.grad`` as for ``sum_j loss_j``.
     """
     p, s = dist.get_world_size(group), dist.get_rank(group)
@@ -140,14 +141,14 @@ def pipeline_step(
             raise ValueError(f"Invalid {name} on stage {s}: expected {m} micro-batches")
     if last and loss_fn is None:
         raise ValueError("Invalid loss_fn: None (the last stage needs one)")
-    if dtype is None:
-        dtype = next(stage_module.parameters(), torch.empty(0)).dtype
+    like = next(stage_module.parameters(), torch.empty(0))
+    dtype = like.dtype if dtype is None else dtype
 
     def peer(stage):  # isend and irecv name global ranks
         return stage if group is None else dist.get_global_rank(group, stage)
 
     def receive(src):
-        x = torch.empty(activation_shape, dtype=dtype)
+        x = torch.empty(activation_shape, dtype=dtype, device=like.device)
         dist.irecv(x, peer(src), group=group).wait()
         return x
 
@@ -197,14 +198,15 @@ def torch_pipeline_step(
     ``Schedule1F1B``), as a reference: ``inputs`` and ``targets`` are whole batches, which
     it cuts into ``micro_batches`` along dim 0. ``scale_grads=False`` keeps the summed
     loss's gradients (the default divides them by m). Returns the summed loss on the last
-    stage, else ``None``."""
+    stage, else ``None``. (On torch 2.9 with gloo it aborts: "Received data size doesn't
+    match expected size", measured; torch 2.13 runs it.)"""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     p, s = dist.get_world_size(group), dist.get_rank(group)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[
         check_choice("schedule", schedule, tuple(SCHEDULES))
     ]
-    stage = PipelineStage(stage_module, s, p, torch.device("cpu"), group=group)
+    stage = PipelineStage(stage_module, s, p, device_of(stage_module), group=group)
     runner = kind(stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
     if s == p - 1:
         losses = []

@@ -3,6 +3,8 @@ one world. A spawned rank imports its worker by module name, and pytest's import
 gives test modules names a child cannot import, so the worker lives in this plain module
 (test_hooks.py puts this folder on sys.path, which the spawned ranks inherit)."""
 
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -98,12 +100,18 @@ def torch_powersgd(rank, world_size):
             state.q_memory_dict[0] = PowerSGD(2).warm_q(torch.zeros(30, 20)).reshape(-1)
             state.p_memory_dict[0] = torch.empty(30 * 2)
 
-    return train(
-        rank,
-        world_size,
-        lambda d: d.register_comm_hook(state, powerSGD_hook.powerSGD_hook),
-        inject_q,
-    )
+    # torch's hook assumes that a machine with CUDA keeps its buckets there: after each
+    # bucket it runs `if torch.cuda.is_available(): torch.cuda.synchronize(device)` with the
+    # bucket's device, which on this world's CPU buckets raises "Expected a cuda device, but
+    # got: cpu" (torch 2.13; pytorch/pytorch PR 196568 keeps the assumption). lsdl_lab's
+    # hooks make no such call; the reference runs as on a machine without a GPU.
+    with mock.patch.object(torch.cuda, "is_available", return_value=False):
+        return train(
+            rank,
+            world_size,
+            lambda d: d.register_comm_hook(state, powerSGD_hook.powerSGD_hook),
+            inject_q,
+        )
 
 
 def zero_gradients_stay_zero(rank, world_size, hook, make):

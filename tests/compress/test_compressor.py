@@ -33,40 +33,44 @@ SHAPES = [(1, 1), (7, 1), (1, 8), (3, 3), (100, 1), (13, 77)]
 
 @pytest.mark.parametrize("name", COMPRESSORS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_bytes_measured_equal_formula(name, shape):
+def test_bytes_measured_equal_formula(name, shape, device):
     make, formula = COMPRESSORS[name]
     compressor = make()
-    payload = compressor.compress(torch.randn(shape))
+    payload = compressor.compress(torch.randn(shape).to(device))
     assert compressor.nbytes(payload) == payload_nbytes(payload) == formula(*shape)
-    assert compressor.decompress(payload).shape == shape
+    out = compressor.decompress(payload)
+    assert out.shape == shape and out.device.type == device.type
 
 
-def test_packed_payloads_are_really_packed():
+def test_packed_payloads_are_really_packed(device):
     d = 1000
-    sign = SignSGD().compress(torch.randn(d))
+    sign = SignSGD().compress(torch.randn(d).to(device))
     assert sign.bits.dtype == torch.uint8 and sign.bits.numel() == d // 8
-    tern = TernGrad(seed=0).compress(torch.randn(d))
+    tern = TernGrad(seed=0).compress(torch.randn(d).to(device))
     assert tern.bits.dtype == torch.uint8 and tern.bits.numel() == d // 4
-    sparse = TopK(0.01).compress(torch.randn(d))
+    sparse = TopK(0.01).compress(torch.randn(d).to(device))
     assert sparse.indices.dtype == torch.int32 and sparse.values.numel() == 10
-    assert [type(t) for t in RandomK(0.01).compress(torch.randn(d))[1:]] == [int, torch.Size]
+    randomk = RandomK(0.01).compress(torch.randn(d).to(device))
+    assert [type(t) for t in randomk[1:]] == [int, torch.Size]
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_zero_tensor_gives_zeros_not_nan(name, dtype):
+def test_zero_tensor_gives_zeros_not_nan(name, dtype, device):
     compressor = COMPRESSORS[name][0]()
+    zeros = torch.zeros(6, 5, dtype=dtype, device=device)
     for _ in range(2):  # the second call warm-starts PowerSGD from a zero Q
-        out = compressor.decompress(compressor.compress(torch.zeros(6, 5, dtype=dtype)))
-        assert out.dtype == dtype and torch.equal(out, torch.zeros(6, 5, dtype=dtype))
+        out = compressor.decompress(compressor.compress(zeros))
+        assert out.dtype == dtype and torch.equal(out, zeros)
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
-def test_flat_wire_format_round_trips(name):
+def test_flat_wire_format_round_trips(name, device):
     compressor = COMPRESSORS[name][0]()
-    payload = compressor.compress(torch.randn(9, 5))
+    payload = compressor.compress(torch.randn(9, 5).to(device))
     wire = flatten_payload(payload)
     assert wire.dtype == torch.uint8 and wire.numel() == compressor.nbytes(payload)
+    assert wire.device.type == device.type
     back = unflatten_payload(wire.clone(), payload)
     assert torch.equal(compressor.decompress(back), compressor.decompress(payload))
 
@@ -115,8 +119,8 @@ def _within_standard_errors(mean, se, g):
 
 
 @pytest.mark.parametrize("name", UNBIASED)
-def test_unbiased_by_monte_carlo(name):
-    g = torch.randn(40, dtype=torch.float64)
+def test_unbiased_by_monte_carlo(name, device):
+    g = torch.randn(40, dtype=torch.float64).to(device)
     g[3] = 0.0
     mean, se = _monte_carlo(UNBIASED[name](), g, 1000)
     assert (se > 0).sum() >= 30, "the draws must actually vary"
@@ -124,7 +128,7 @@ def test_unbiased_by_monte_carlo(name):
 
 
 @pytest.mark.parametrize("make", [lambda: RandomK(0.2, seed=1, scaled=False), lambda: SignSGD()])
-def test_the_same_check_detects_a_biased_compressor(make):
-    g = torch.randn(40, dtype=torch.float64)
+def test_the_same_check_detects_a_biased_compressor(make, device):
+    g = torch.randn(40, dtype=torch.float64).to(device)
     mean, se = _monte_carlo(make(), g, 1000)
     assert not _within_standard_errors(mean, se, g)

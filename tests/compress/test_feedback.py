@@ -15,20 +15,21 @@ COMPRESSORS = [
 
 
 @pytest.mark.parametrize("make", COMPRESSORS)
-def test_error_feedback_telescopes(make):
+def test_error_feedback_telescopes(make, device):
     ef = ErrorFeedback(make())
-    grads = [torch.randn(12, 9, dtype=torch.float64) for _ in range(20)]
+    grads = [torch.randn(12, 9, dtype=torch.float64).to(device) for _ in range(20)]
     sent = sum(ef.decompress(ef.compress(g)) for g in grads)
     total = sum(grads)
     assert torch.allclose(sent + ef.error, total, rtol=0, atol=1e-12 * total.abs().max())
     assert not torch.allclose(sent, total, atol=1e-3)  # compression did drop something
 
 
-def test_error_feedback_sends_what_was_dropped_later():
+def test_error_feedback_sends_what_was_dropped_later(device):
     ef = ErrorFeedback(TopK(0.5))
-    first = ef.decompress(ef.compress(torch.tensor([4.0, 1.0])))
-    second = ef.decompress(ef.compress(torch.tensor([0.0, 0.0])))
+    first = ef.decompress(ef.compress(torch.tensor([4.0, 1.0], device=device)))
+    second = ef.decompress(ef.compress(torch.tensor([0.0, 0.0], device=device)))
     assert first.tolist() == [4.0, 0.0] and second.tolist() == [0.0, 1.0]
+    assert ef.error.device.type == device.type
 
 
 def test_error_feedback_is_summable_when_its_compressor_is():

@@ -30,7 +30,9 @@ PER_STEP = {  # bytes a rank hands to the collectives per step, by the stated fo
 
 @pytest.fixture(scope="module")
 def ranks():
-    return spawn(worker.run_hook_checks, 2, timeout=60)
+    # gloo by name: on a machine with a GPU per rank spawn would pick NCCL, which moves CUDA
+    # tensors only, and these ranks train on the CPU (also where CUDA is present)
+    return spawn(worker.run_hook_checks, 2, backend="gloo", timeout=60)
 
 
 def test_every_hook_trains_and_replicas_stay_identical(ranks):

@@ -6,15 +6,17 @@ import torch
 from lsdl_lab.compress import QSGD, SignSGD, TernGrad
 
 
-def test_sign_is_the_scaled_sign():
-    g = torch.tensor([3.0, -1.0, 0.0, -4.0])
+def test_sign_is_the_scaled_sign(device):
+    g = torch.tensor([3.0, -1.0, 0.0, -4.0], device=device)
     out = SignSGD().decompress(SignSGD().compress(g))
-    assert torch.equal(out, torch.tensor([2.0, -2.0, 2.0, -2.0]))  # ||g||_1 / d = 2
+    expected = torch.tensor([2.0, -2.0, 2.0, -2.0], device=device)  # ||g||_1 / d = 2
+    assert torch.equal(out, expected)
 
 
-def test_terngrad_sends_max_norm_ternary_values():
-    g = torch.randn(500, dtype=torch.float64)
-    out = TernGrad(seed=0).decompress(TernGrad(seed=0).compress(g))
+@pytest.mark.parametrize("seed", [0, None])  # a CPU generator, torch's global one
+def test_terngrad_sends_max_norm_ternary_values(seed, device):
+    g = torch.randn(500, dtype=torch.float64).to(device)
+    out = TernGrad(seed=seed).decompress(TernGrad(seed=seed).compress(g))
     s = g.abs().max()
     assert set(torch.unique(out / s).tolist()) <= {-1.0, 0.0, 1.0}
     assert bool((out * g >= 0).all())  # never the opposite sign
@@ -28,10 +30,11 @@ def test_qsgd_code_width_is_the_fewest_bits_for_2s_plus_1_levels(levels, width):
     assert QSGD(levels).width == width == math.ceil(math.log2(2 * levels + 1))
 
 
-def test_qsgd_values_lie_on_the_grid_next_to_the_input():
-    g = torch.randn(300, dtype=torch.float64)
+@pytest.mark.parametrize("seed", [0, None])  # a CPU generator, torch's global one
+def test_qsgd_values_lie_on_the_grid_next_to_the_input(seed, device):
+    g = torch.randn(300, dtype=torch.float64).to(device)
     s = 4
-    out = QSGD(s, seed=0).decompress(QSGD(s, seed=0).compress(g))
+    out = QSGD(s, seed=seed).decompress(QSGD(s, seed=seed).compress(g))
     step = g.norm() / s
     levels = out / step
     assert torch.allclose(levels, levels.round(), atol=1e-9)
@@ -39,9 +42,9 @@ def test_qsgd_values_lie_on_the_grid_next_to_the_input():
 
 
 @pytest.mark.parametrize("levels", [1, 2, 8])
-def test_qsgd_variance_is_below_its_bound_and_matches_its_value(levels):
+def test_qsgd_variance_is_below_its_bound_and_matches_its_value(levels, device):
     d, n = 100, 600
-    g = torch.randn(d, dtype=torch.float64)
+    g = torch.randn(d, dtype=torch.float64).to(device)
     qsgd = QSGD(levels, seed=2)
     err = torch.stack([(qsgd.decompress(qsgd.compress(g)) - g).square().sum() for _ in range(n)])
     # exact variance: each entry is rounded between two levels l/s and (l+1)/s of ||g||

@@ -41,14 +41,14 @@ def test_batch_sources_share_one_interface():
         BatchSource()
 
 
-def test_a_new_batch_source_needs_only_call():
+def test_a_new_batch_source_needs_only_call(device):
     class Constant(BatchSource):
         steps_per_epoch = 1
 
         def __call__(self, step):
             return torch.ones(2, 3), torch.zeros(2, dtype=torch.long)
 
-    model = torch.nn.Linear(3, 2)
+    model = torch.nn.Linear(3, 2, device=device)  # fit moves the CPU batches to it
     opt = optim.SGD(model.parameters(), lr=0.1)
     history = fit(model, opt, Constant(), epochs=2, progress=False, log_every=1)
     assert len(history.train) == 2
@@ -64,15 +64,17 @@ def _seed(*parts) -> int:
 
 
 @pytest.mark.parametrize("n, seed, epoch", [(10, 0, 0), (37, 5, 3), (1, 2, 0)])
-def test_epoch_permutation_is_its_own_seeded_stream(n, seed, epoch):
+def test_epoch_permutation_is_its_own_seeded_stream(n, seed, epoch, device):
     expected = torch.randperm(
         n, generator=torch.Generator().manual_seed(_seed("epoch", seed, epoch))
     )
     assert torch.equal(D.epoch_permutation(n, seed, epoch), expected)
     x, y = _indexed(n)
-    order = ImageBatches(x, y, n, seed=seed)(epoch)[1]
-    assert torch.equal(order, expected)
-    assert torch.equal(GrowingBatches(x, y, lambda e: n, seed=seed)(epoch)[1], expected)
+    order = ImageBatches(x, y, n, seed=seed, device=device)(epoch)[1]
+    # the same order on every device
+    assert order.device.type == device.type and torch.equal(order.cpu(), expected)
+    growing = GrowingBatches(x, y, lambda e: n, seed=seed, device=device)
+    assert torch.equal(growing(epoch)[1].cpu(), expected)
 
 
 def _indexed(n: int, hw: int = 4):
@@ -81,23 +83,24 @@ def _indexed(n: int, hw: int = 4):
     return x, torch.arange(n)
 
 
-def test_image_batches_are_a_function_of_the_step():
+def test_image_batches_are_a_function_of_the_step(device):
     x, y = _indexed(50)
-    a = D.ImageBatches(x, y, 8, seed=1, augment=True)
+    a = D.ImageBatches(x, y, 8, seed=1, augment=True, device=device)
     first = a(7)
+    assert first[0].device.type == first[1].device.type == device.type
     for step in (30, 0, 13, 7):
         a(step)
-    b = D.ImageBatches(x, y, 8, seed=1, augment=True)
+    b = D.ImageBatches(x, y, 8, seed=1, augment=True, device=device)
     for got in (a(7), b(7)):
         assert torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
 
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 60), data=st.data(), seed=st.integers(0, 2**40), drop_last=st.booleans())
-def test_each_epoch_reads_each_example_once(n, data, seed, drop_last):
+def test_each_epoch_reads_each_example_once(n, data, seed, drop_last, device):
     bs = data.draw(st.integers(1, n))
     x, y = _indexed(n)
-    batches = D.ImageBatches(x, y, bs, seed=seed, drop_last=drop_last)
+    batches = D.ImageBatches(x, y, bs, seed=seed, drop_last=drop_last, device=device)
     assert len(batches) == (n // bs if drop_last else -(-n // bs))
     for epoch in (0, 3):
         seen = torch.cat([batches(epoch * len(batches) + i)[1] for i in range(len(batches))])
@@ -117,16 +120,19 @@ def test_epochs_and_seeds_differ_and_shuffle_off_is_in_order():
     assert torch.equal(torch.cat([ordered(i)[1] for i in range(4)]), y)
 
 
-def test_augmentation_is_crop_and_flip_per_step():
+def test_augmentation_is_crop_and_flip_per_step(device):
     x = torch.randn(32, 3, 8, 8)
     y = torch.zeros(32, dtype=torch.long)
-    batches = D.ImageBatches(x, y, 32, shuffle=False, augment=True, seed=5)
+    batches = D.ImageBatches(x, y, 32, shuffle=False, augment=True, seed=5, device=device)
     xb, _ = batches(0)
     assert xb.shape == x.shape and torch.equal(xb, batches(0)[0])
     assert not torch.equal(xb, batches(1)[0])  # same examples, other step, other crops
-    # Against a per-example reference that draws the same random numbers.
+    # Against a per-example reference on the CPU that draws the same random numbers (the
+    # generator is a CPU one whatever the device of the pixels).
     g = torch.Generator().manual_seed(123)
-    got = D.random_crop_flip(x, torch.Generator().manual_seed(123))
+    got = D.random_crop_flip(x.to(device), torch.Generator().manual_seed(123))
+    assert got.device.type == device.type
+    got = got.cpu()
     offsets = torch.randint(0, 9, (2, 32), generator=g)
     flip = torch.rand(32, generator=g) < 0.5
     padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
@@ -148,11 +154,12 @@ def test_image_batches_bad_batch_size(bad, error):
         D.ImageBatches(x, y[:5], 2)
 
 
-def test_eval_batches_in_order_keep_last():
+def test_eval_batches_in_order_keep_last(device):
     x, y = _indexed(10)
-    batches = D.eval_batches(x, y, 4)
+    batches = D.eval_batches(x, y, 4, device=device)
     assert [len(b[1]) for b in batches] == [4, 4, 2]
-    assert torch.equal(torch.cat([b[1] for b in batches]), y)
+    assert all(t.device.type == device.type for b in batches for t in b)
+    assert torch.equal(torch.cat([b[1] for b in batches]).cpu(), y)
     assert len(D.eval_batches(x, y, 4, max_batches=2)) == 2
     with pytest.raises(ValueError, match="max_batches"):
         D.eval_batches(x, y, 4, max_batches=0)
@@ -161,17 +168,20 @@ def test_eval_batches_in_order_keep_last():
 # -- text batches ----------------------------------------------------------------------
 
 
-def test_text_batches_targets_are_next_tokens():
+def test_text_batches_targets_are_next_tokens(device):
     tokens = torch.arange(1000) * 7 % 101
-    batches = D.TextBatches(tokens, block_size=16, batch_size=5, seed=2)
+    batches = D.TextBatches(tokens, block_size=16, batch_size=5, seed=2, device=device)
     x, y = batches(3)
     assert x.shape == y.shape == (5, 16) and x.dtype == y.dtype == torch.int64
+    assert x.device.type == y.device.type == device.type
     assert torch.equal(y[:, :-1], x[:, 1:])
-    ramp = D.TextBatches(torch.arange(1000), 16, 5, seed=2)
+    ramp = D.TextBatches(torch.arange(1000), 16, 5, seed=2, device=device)
     rx, ry = ramp(3)
     assert torch.equal(ry, rx + 1)
     assert torch.equal(rx, ramp(3)[0]) and not torch.equal(rx, ramp(4)[0])
-    assert not torch.equal(rx, D.TextBatches(torch.arange(1000), 16, 5, seed=3)(3)[0])
+    assert torch.equal(rx.cpu(), D.TextBatches(torch.arange(1000), 16, 5, seed=2)(3)[0])
+    other_seed = D.TextBatches(torch.arange(1000), 16, 5, seed=3, device=device)
+    assert not torch.equal(rx, other_seed(3)[0])
 
 
 def test_text_batches_bad_block_size():
@@ -183,12 +193,15 @@ def test_text_batches_bad_block_size():
     assert torch.equal(x[0], tokens[:19]) and torch.equal(y[0], tokens[1:])
 
 
-def test_text_eval_batches_are_contiguous():
+def test_text_eval_batches_are_contiguous(device):
     tokens = torch.arange(103)
-    batches = D.text_eval_batches(tokens, block_size=10, batch_size=4)
+    batches = D.text_eval_batches(tokens, block_size=10, batch_size=4, device=device)
     assert [len(x) for x, _ in batches] == [4, 4, 2]
+    assert all(x.device.type == y.device.type == device.type for x, y in batches)
     xs = torch.cat([x for x, _ in batches]).flatten()
-    assert torch.equal(xs, tokens[:100])
+    assert torch.equal(xs.cpu(), tokens[:100])
+    on_device = D.text_eval_batches(tokens.to(device), block_size=10, batch_size=4)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(on_device, batches))
     assert all(torch.equal(y, x + 1) for x, y in batches)
     assert len(D.text_eval_batches(tokens, 10, 4, max_batches=1)) == 1
 
@@ -234,14 +247,15 @@ def test_examples_must_be_tensors_of_matching_lengths():
 N = 37
 
 
-def growing(drop_last=False, seed=0):
+def growing(drop_last=False, seed=0, device=None):
     x = torch.arange(N, dtype=torch.float32).unsqueeze(1).repeat(1, 3)
     y = torch.arange(N)
-    return GrowingBatches(x, y, batch_size_schedule(4, [1, 2], 2), seed, drop_last=drop_last)
+    schedule = batch_size_schedule(4, [1, 2], 2)
+    return GrowingBatches(x, y, schedule, seed, device, drop_last=drop_last)
 
 
-def test_growing_batches_cover_each_example_once_per_epoch():
-    b = growing()
+def test_growing_batches_cover_each_example_once_per_epoch(device):
+    b = growing(device=device)
     assert [b.epoch_start(e) for e in range(5)] == [0, 10, 15, 18, 21]  # ceil(37 / 4, 8, 16...)
     for e in range(4):
         size = [4, 8, 16, 16][e]
@@ -254,7 +268,7 @@ def test_growing_batches_cover_each_example_once_per_epoch():
         sizes = [len(s) for s in seen]
         assert sizes[:-1] == [size] * (len(sizes) - 1) and sizes[-1] == N - size * (len(sizes) - 1)
         assert sorted(torch.cat(seen).tolist()) == list(range(N))
-        assert not torch.equal(torch.cat(seen), torch.arange(N))  # shuffled
+        assert not torch.equal(torch.cat(seen).cpu(), torch.arange(N))  # shuffled
 
 
 def test_growing_batches_drop_last():
@@ -278,20 +292,20 @@ def test_growing_batches_are_a_pure_function_of_the_step():
     assert b.epoch(29) == a.epoch(29) and not torch.equal(growing(seed=4)(0)[1], a(0)[1])
 
 
-def test_growing_batches_match_image_batches_under_a_constant_schedule():
+def test_growing_batches_match_image_batches_under_a_constant_schedule(device):
     x, y = torch.randn(50, 2), torch.arange(50)
-    ours = GrowingBatches(x, y, lambda epoch: 8, seed=5, drop_last=True)
-    theirs = ImageBatches(x, y, batch_size=8, seed=5)
+    ours = GrowingBatches(x, y, lambda epoch: 8, seed=5, device=device, drop_last=True)
+    theirs = ImageBatches(x, y, batch_size=8, seed=5, device=device)
     assert ours.epoch_start(3) == 3 * theirs.steps_per_epoch
     for t in range(3 * theirs.steps_per_epoch):
         assert torch.equal(ours(t)[1], theirs(t)[1]) and torch.equal(ours(t)[0], theirs(t)[0])
 
 
-def test_growing_batches_train_with_fit():
+def test_growing_batches_train_with_fit(device):
     torch.manual_seed(0)
     x, y = torch.randn(64, 5), torch.randint(0, 3, (64,))
-    batches = GrowingBatches(x, y, batch_size_schedule(8, [1], 4), seed=0)
-    model = torch.nn.Linear(5, 3)
+    batches = GrowingBatches(x, y, batch_size_schedule(8, [1], 4), seed=0, device=device)
+    model = torch.nn.Linear(5, 3).to(device)
     opt = optim.SGD(model.parameters(), lr=0.1)
     history = fit(model, opt, batches, steps=batches.epoch_start(3), progress=False, log_every=1)
     assert len(history.train) == 8 + 2 + 2

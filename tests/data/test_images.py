@@ -6,6 +6,7 @@ format, described by a record (RemoteFile) that the test passes to the loader.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -91,6 +92,16 @@ def test_subset_is_stratified_and_deterministic(digits, max_train, seed):
     assert torch.all((got - full * max_train / full.sum()).abs() <= 1.0 + 1e-9), got
     assert torch.equal(digits.subset(max_train, seed=seed).train_x, sub.train_x)
     assert sub.test_x is digits.test_x and sub.mean == digits.mean
+
+
+def test_subset_of_data_on_a_device_stays_there(digits, device):
+    on_device = dataclasses.replace(
+        digits, train_x=digits.train_x.to(device), train_y=digits.train_y.to(device)
+    )
+    sub, expected = on_device.subset(100, seed=3), digits.subset(100, seed=3)
+    assert sub.train_x.device.type == sub.train_y.device.type == device.type
+    assert torch.equal(sub.train_x.cpu(), expected.train_x)  # the same examples as on the CPU
+    assert torch.equal(sub.train_y.cpu(), expected.train_y)
 
 
 def test_subset_edge_cases(digits):

@@ -51,11 +51,12 @@ def test_python_source_files_are_sorted_and_not_tests():
 
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
-def test_encode_decode_round_trip(source, data):
+def test_encode_decode_round_trip(source, data, device):
     text = "".join(data.draw(st.lists(st.sampled_from(source.vocab), max_size=50)))
     ids = source.encode(text)
     assert ids.dtype == torch.int64 and len(ids) == len(text)
     assert source.decode(ids) == text
+    assert source.decode(ids.to(device)) == text  # a model's output, on its device
 
 
 def test_encode_and_decode_reject_unknown(source):

@@ -30,7 +30,7 @@ def world(request):
     ]
     if w >= 3:
         checks.append(dist_workers.subgroup_report)
-    return w, spawn(call_each, w, checks, timeout=60)
+    return w, spawn(call_each, w, checks, backend="gloo", timeout=60)
 
 
 def test_all_reduce_equals_the_sum_on_every_size(world):
@@ -98,7 +98,7 @@ def test_blocking_ring_deadlocks_and_ends_by_the_timeout():
     timeout = 2.0
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        spawn(dist_workers.naive_ring_timed, 2, 10, timeout=timeout)
+        spawn(dist_workers.naive_ring_timed, 2, 10, backend="gloo", timeout=timeout)
     elapsed = time.monotonic() - start
     text = info.value.traceback
     # every rank is stuck in its send and times out; under load the first one reported

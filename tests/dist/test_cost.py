@@ -76,7 +76,7 @@ def test_the_fit_predicts_a_size_it_was_not_fitted_on():
     by more than 25%; four bad ones fail the test."""
     nbytes = [4 * 2**k for k in (12, 14, 16, 18, 20, 22)]
     held_out = 4 * 2**20
-    tries = spawn(dist_workers.fitted_ring, 2, nbytes, held_out, 4, timeout=60)[0]
+    tries = spawn(dist_workers.fitted_ring, 2, nbytes, held_out, 4, backend="gloo", timeout=60)[0]
     last = tries[-1]
     print(
         f"fitted alpha {last['fit'].alpha * 1e6:.1f} us, beta {last['fit'].beta * 1e9:.3f} ns/B "

@@ -22,7 +22,7 @@ WORLD, PERIOD, WARMUP, STEPS = 2, 3, 2, 9
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn(w.all_checks, WORLD, PERIOD, WARMUP, STEPS, timeout=60)
+    return spawn(w.all_checks, WORLD, PERIOD, WARMUP, STEPS, backend="gloo", timeout=60)
 
 
 def test_accumulation_with_no_sync_equals_the_large_batch_gradient(results):

@@ -19,7 +19,7 @@ LR, STEPS = 0.05, 30
 
 @pytest.fixture(scope="module")
 def reports():
-    return spawn(dist_workers.param_server_report, 4, LR, STEPS, timeout=60)
+    return spawn(dist_workers.param_server_report, 4, LR, STEPS, backend="gloo", timeout=60)
 
 
 def loss(w):

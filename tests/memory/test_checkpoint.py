@@ -18,10 +18,10 @@ from lsdl_lab.memory.measure import SavedTensorBytes
 L = 16
 
 
-def _blocks(dtype=torch.float64, dropout=0.0, width=12):
+def _blocks(dtype=torch.float64, dropout=0.0, width=12, device="cpu"):
     torch.manual_seed(1)
     return [
-        nn.Sequential(nn.Linear(width, width), nn.Dropout(dropout), nn.Tanh()).to(dtype)
+        nn.Sequential(nn.Linear(width, width), nn.Dropout(dropout), nn.Tanh()).to(device, dtype)
         for _ in range(L)
     ]
 
@@ -38,31 +38,32 @@ def _grads(blocks, x, every, implementation, seed=5):
 @pytest.mark.parametrize("implementation", ["lsdl", "torch"])
 @pytest.mark.parametrize("every", [1, 3, 4, 16])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_gradients_equal_the_unchecked_run_bit_for_bit(implementation, every, dropout):
-    blocks = _blocks(dropout=dropout)
-    x = torch.randn(6, 12, dtype=torch.float64)
+def test_gradients_equal_the_unchecked_run_bit_for_bit(implementation, every, dropout, device):
+    # on CUDA the dropout masks come from the GPU's generator, whose state is replayed too
+    blocks = _blocks(dropout=dropout, device=device)
+    x = torch.randn(6, 12, dtype=torch.float64).to(device)
     plain = _grads(blocks, x, None, implementation)
     checked = _grads(blocks, x, every, implementation)
     assert all(torch.equal(a, b) for a, b in zip(plain, checked))
 
 
-def test_random_stream_continues_as_without_checkpointing():
-    blocks = _blocks(dropout=0.5)
-    x = torch.randn(6, 12, dtype=torch.float64)
+def test_random_stream_continues_as_without_checkpointing(device):
+    blocks = _blocks(dropout=0.5, device=device)
+    x = torch.randn(6, 12, dtype=torch.float64).to(device)
     _grads(blocks, x, None, "lsdl", seed=9)
-    after_plain = torch.rand(4)
+    after_plain = torch.rand(4, device=device)  # the stream the dropout masks came from
     _grads(blocks, x, 4, "lsdl", seed=9)
-    assert torch.equal(torch.rand(4), after_plain)
+    assert torch.equal(torch.rand(4, device=device), after_plain)
 
 
-def test_recompute_keeps_the_autocast_setting():
-    blocks = _blocks(dtype=torch.float32)
-    x = torch.randn(6, 12)
+def test_recompute_keeps_the_autocast_setting(device):
+    blocks = _blocks(dtype=torch.float32, device=device)
+    x = torch.randn(6, 12).to(device)
     results = []
     for every in (None, 4):
         for b in blocks:
             b.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             y = checkpoint_sequential(blocks, x, every)
         assert y.dtype == torch.bfloat16
         y.float().sum().backward()
@@ -70,16 +71,16 @@ def test_recompute_keeps_the_autocast_setting():
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def test_parameters_get_gradients_when_the_input_needs_none():
-    blocks = _blocks()
-    x = torch.randn(6, 12, dtype=torch.float64)  # requires_grad=False, as data is
+def test_parameters_get_gradients_when_the_input_needs_none(device):
+    blocks = _blocks(device=device)
+    x = torch.randn(6, 12, dtype=torch.float64).to(device)  # requires_grad=False, as data is
     checkpoint_sequential(blocks, x, 4).sum().backward()
     assert all(p.grad is not None for b in blocks for p in b.parameters())
 
 
-def test_activation_bytes_fall_as_the_theory_says():
-    blocks = _blocks(width=32)
-    x = torch.randn(8, 32, dtype=torch.float64)
+def test_activation_bytes_fall_as_the_theory_says(device):
+    blocks = _blocks(width=32, device=device)
+    x = torch.randn(8, 32, dtype=torch.float64).to(device)
     unit = x.numel() * 8  # one block keeps one (8, 32) float64 tensor: its Tanh output
     for every in (None, 1, 2, 4, 8, 16):
         with SavedTensorBytes(nn.ModuleList(blocks)) as c:
@@ -89,18 +90,18 @@ def test_activation_bytes_fall_as_the_theory_says():
     assert k == 4 and theoretical_peak(L, k) == 2 * math.sqrt(L) < theoretical_peak(L, None)
 
 
-def test_torch_checkpoint_keeps_the_same_inputs():
-    blocks = _blocks(width=32)
-    x = torch.randn(8, 32, dtype=torch.float64)
+def test_torch_checkpoint_keeps_the_same_inputs(device):
+    blocks = _blocks(width=32, device=device)
+    x = torch.randn(8, 32, dtype=torch.float64).to(device)
     mine = sweep(blocks, x, [None, 2, 4, 8], "lsdl")
     torch_rows = sweep(blocks, x, [None, 2, 4, 8], "torch")
     assert [r["forward_bytes"] for r in mine] == [r["forward_bytes"] for r in torch_rows]
     assert mine[2]["forward_bytes"] == mine[0]["forward_bytes"] * 4 // (L + 1)
 
 
-def test_sweep_shows_the_square_root_optimum_and_the_extra_forward():
-    blocks = _blocks(width=32)
-    rows = sweep(blocks, torch.randn(8, 32, dtype=torch.float64))
+def test_sweep_shows_the_square_root_optimum_and_the_extra_forward(device):
+    blocks = _blocks(width=32, device=device)
+    rows = sweep(blocks, torch.randn(8, 32, dtype=torch.float64).to(device))
     assert [r["every"] for r in rows] == [None, 1, 2, 4, 8, 16]
     best = min(rows, key=lambda r: r["peak_bytes"])
     assert best["every"] == sqrt_spacing(L)
@@ -128,12 +129,12 @@ def test_segments_and_bad_arguments():
         checkpoint_sequential(blocks, [1.0], 2)
 
 
-def test_the_book_gpt_blocks_with_dropout():
+def test_the_book_gpt_blocks_with_dropout(device):
     from lsdl_lab.models import GPT
 
     s, b, h, layers = 16, 2, 32, 4
-    gpt = GPT(50, s, layers, heads=4, dim=h, dropout=0.1).double()
-    x = torch.randn(b, s, h, dtype=torch.float64)
+    gpt = GPT(50, s, layers, heads=4, dim=h, dropout=0.1).to(device, torch.float64)
+    x = torch.randn(b, s, h, dtype=torch.float64).to(device)
     unit = s * b * h * 8  # one float64 activation of the residual stream
     results = {}
     for every in (None, 1, 2):

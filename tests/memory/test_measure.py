@@ -14,12 +14,12 @@ from lsdl_lab.memory.measure import (
 from lsdl_lab.models import GPT, count_parameters
 
 
-def _mlp():
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+def _mlp(device="cpu"):
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
 
 
-def test_measure_counts_params_grads_and_adam_state():
-    model = _mlp()
+def test_measure_counts_params_grads_and_adam_state(device):
+    model = _mlp(device)
     n = count_parameters(model)
     opt = torch.optim.Adam(model.parameters())
     assert measure(model, opt) == {
@@ -28,9 +28,10 @@ def test_measure_counts_params_grads_and_adam_state():
         "optimizer_state": 0,
         "total": 4 * n,
     }
-    model(torch.randn(5, 8)).sum().backward()
+    model(torch.randn(5, 8, device=device)).sum().backward()
     opt.step()
-    # Adam keeps exp_avg and exp_avg_sq (float32) and a 0-d float32 step per tensor.
+    # Adam keeps exp_avg and exp_avg_sq (float32) and a 0-d float32 step per tensor (on the
+    # CPU, also for parameters on a GPU).
     tensors = len(list(model.parameters()))
     expected = {"params": 4 * n, "grads": 4 * n, "optimizer_state": 8 * n + 4 * tensors}
     expected["total"] = sum(expected.values())
@@ -38,12 +39,12 @@ def test_measure_counts_params_grads_and_adam_state():
     assert measure(model) == {"params": 4 * n, "grads": 4 * n, "optimizer_state": 0, "total": 8 * n}
 
 
-def test_tied_weights_are_counted_once():
-    gpt = GPT(vocab_size=50, block_size=8, layers=1, heads=2, dim=16)
+def test_tied_weights_are_counted_once(device):
+    gpt = GPT(vocab_size=50, block_size=8, layers=1, heads=2, dim=16).to(device)
     assert gpt.head.weight is gpt.tok.weight
     assert measure(gpt)["params"] == 4 * count_parameters(gpt)
     # Views of one flat buffer hold the buffer's bytes once, not once per view.
-    flat = torch.zeros(100)
+    flat = torch.zeros(100, device=device)
     model = nn.Module()
     model.a = nn.Parameter(flat[:60].view(6, 10))
     model.b = nn.Parameter(flat[60:])
@@ -76,8 +77,8 @@ def test_a_dtensor_counts_its_local_shard(tmp_path):
         dist.destroy_process_group()
 
 
-def test_by_dtype_splits_the_bytes():
-    model = _mlp()
+def test_by_dtype_splits_the_bytes(device):
+    model = _mlp(device)
     model[2].to(torch.bfloat16)
     by = measure_by_dtype(model)
     assert by["params"] == {"float32": 4 * (8 * 16 + 16), "bfloat16": 2 * (16 * 4 + 4)}
@@ -91,9 +92,9 @@ def test_measure_rejects_bad_arguments():
         measure(_mlp(), optimizer=[1, 2])
 
 
-def test_saved_bytes_exclude_parameters_and_count_storages_once():
-    lin = nn.Linear(10, 30)
-    x = torch.randn(4, 10, requires_grad=True)  # so the weight is saved for x's gradient
+def test_saved_bytes_exclude_parameters_and_count_storages_once(device):
+    lin = nn.Linear(10, 30, device=device)
+    x = torch.randn(4, 10, device=device, requires_grad=True)  # the weight is saved for x's grad
     with SavedTensorBytes(lin) as c:
         lin(x).sum().backward()
     assert c.total == x.numel() * 4  # the weight (saved too) is a parameter
@@ -102,7 +103,7 @@ def test_saved_bytes_exclude_parameters_and_count_storages_once():
     assert everything.total == (x.numel() + lin.weight.numel()) * 4
 
     # q, k and v are views of one projection: one storage, counted once.
-    qkv = torch.randn(4, 30, requires_grad=True)
+    qkv = torch.randn(4, 30, device=device, requires_grad=True)
     with SavedTensorBytes() as c:
         y = qkv * 2.0  # saves nothing (a constant factor)
         q, k, _ = y.split(10, dim=1)
@@ -110,9 +111,9 @@ def test_saved_bytes_exclude_parameters_and_count_storages_once():
     assert c.total == 4 * 30 * 4  # the whole storage, once (two views would count 2 * 160)
 
 
-def test_saved_bytes_peak_and_release():
+def test_saved_bytes_peak_and_release(device):
     blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)])
-    x = torch.randn(32, 16)
+    blocks, x = blocks.to(device), torch.randn(32, 16).to(device)
     unit = x.numel() * 4
     with SavedTensorBytes(blocks) as c:
         loss = blocks(x).sum()
@@ -125,7 +126,7 @@ def test_saved_bytes_peak_and_release():
     with SavedTensorBytes(blocks) as kept:
         blocks(x).sum().backward(retain_graph=True)
     assert kept.live == 9 * unit
-    assert kept.allocator_peak is None
+    assert kept.allocator_peak is None  # no device given: no allocator to ask
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

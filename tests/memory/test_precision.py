@@ -17,20 +17,22 @@ from lsdl_lab.memory.precision import (
 INJECT = {9, 16}  # steps whose gradients get an inf on top of the natural overflows
 
 
-def _model():
+def _model(device="cpu"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to(device)
 
 
 def _run(scaler, model, optimizer, steps=24, scheduler=None):
-    """fp16 autocast training; per step: the scale used, whether the step was skipped
-    (GradScaler says so by lowering its scale), the weights after it."""
+    """fp16 autocast training on the model's device; per step: the scale used, whether the
+    step was skipped (GradScaler says so by lowering its scale), the weights after it."""
+    device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(1)
     history = []
     for t in range(steps):
         x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        x, y = x.to(device), y.to(device)
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device.type, dtype=torch.float16):
             loss = nn.functional.mse_loss(model(x), y)
         scaler.scale(loss).backward()
         if t in INJECT:
@@ -46,11 +48,11 @@ def _run(scaler, model, optimizer, steps=24, scheduler=None):
     return history
 
 
-def test_equal_to_grad_scaler_step_for_step():
+def test_equal_to_grad_scaler_step_for_step(device):
     settings = dict(init_scale=2.0**24, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
     runs = []
-    for scaler in (torch.amp.GradScaler("cpu", **settings), LossScaler(**settings)):
-        model = _model()
+    for scaler in (torch.amp.GradScaler(device.type, **settings), LossScaler(**settings)):
+        model = _model(device)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         runs.append(_run(scaler, model, opt))
     theirs, mine = runs
@@ -64,19 +66,22 @@ def test_equal_to_grad_scaler_step_for_step():
     assert any(b > a for a, b in zip(scales, scales[1:]))  # and it grew again
 
 
-def test_amp_step_is_the_same_loop():
+def test_amp_step_is_the_same_loop(device):
     settings = dict(init_scale=2.0**24, growth_interval=3)
-    model = _model()
+    model = _model(device)
     theirs = _run(
-        torch.amp.GradScaler("cpu", **settings), model, torch.optim.SGD(model.parameters(), lr=0.05)
+        torch.amp.GradScaler(device.type, **settings),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
     )
-    model = _model()
+    model = _model(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
     scaler = LossScaler(**settings)
     gen = torch.Generator().manual_seed(1)
     for t, (scale, skipped, weights) in enumerate(theirs[:9]):
         batch = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        batch = tuple(t.to(device) for t in batch)
         assert scaler.get_scale() == scale
         loss = amp_step(model, opt, nn.functional.mse_loss, batch, torch.float16, scaler, sched)
         assert math.isfinite(loss) and scaler.skipped == skipped
@@ -84,10 +89,10 @@ def test_amp_step_is_the_same_loop():
     assert sched.last_epoch == 9 - scaler.skipped_steps == 2
 
 
-def test_amp_step_bf16_trains_float32_master_weights():
-    model = _model()
+def test_amp_step_bf16_trains_float32_master_weights(device):
+    model = _model(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    x, y = torch.randn(64, 16), torch.randn(64, 4)
+    x, y = torch.randn(64, 16).to(device), torch.randn(64, 4).to(device)
     losses = [amp_step(model, opt, nn.functional.mse_loss, (x, y)) for _ in range(30)]
     assert losses[-1] < 0.7 * losses[0]
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -97,8 +102,8 @@ def test_amp_step_bf16_trains_float32_master_weights():
         amp_step(model, opt, nn.functional.mse_loss, (x, y), scaler=torch.amp.GradScaler("cpu"))
 
 
-def test_skipped_step_flags_and_schedule():
-    model = _model()
+def test_skipped_step_flags_and_schedule(device):
+    model = _model(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     scaler = LossScaler(init_scale=2.0**24, growth_interval=3)
@@ -113,18 +118,18 @@ def test_skipped_step_flags_and_schedule():
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-def test_floor_growth_and_state_dict():
-    p = nn.Parameter(torch.zeros(3))
+def test_floor_growth_and_state_dict(device):
+    p = nn.Parameter(torch.zeros(3, device=device))
     opt = torch.optim.SGD([p], lr=1.0)
     scaler = LossScaler(init_scale=8.0, growth_interval=2, min_scale=2.0)
     scales = []
     for grad in [math.inf, math.inf, math.inf, 1.0, 1.0, 1.0, 1.0]:
-        p.grad = torch.full((3,), grad * scaler.get_scale())
+        p.grad = torch.full((3,), grad * scaler.get_scale(), device=device)
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())
     assert scales == [4.0, 2.0, 2.0, 2.0, 4.0, 4.0, 8.0]  # floor 2; doubling every 2 clean
-    assert torch.equal(p.detach(), torch.full((3,), -4.0))  # four taken steps, unscaled
+    assert torch.equal(p.detach().cpu(), torch.full((3,), -4.0))  # four taken steps, unscaled
     state = scaler.state_dict()
     other = LossScaler()
     other.load_state_dict(state)
@@ -137,11 +142,11 @@ def test_floor_growth_and_state_dict():
     assert ref.get_scale() == 16.0
 
 
-def test_grows_only_to_a_finite_scale():
-    p = nn.Parameter(torch.zeros(1))
+def test_grows_only_to_a_finite_scale(device):
+    p = nn.Parameter(torch.zeros(1, device=device))
     opt = torch.optim.SGD([p], lr=0.0)
     scaler = LossScaler(init_scale=2.0**127, growth_interval=1)
-    p.grad = torch.ones(1)
+    p.grad = torch.ones(1, device=device)
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 2.0**127

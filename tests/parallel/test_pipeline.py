@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -39,13 +40,13 @@ def timed(micro_batches):
 @pytest.fixture(scope="module")
 def world2():
     """Gradient checks and a timed pipeline (m = 4) in one world of 2."""
-    return spawn(call_each, 2, [pw.pipeline_report, timed(4)], timeout=60)
+    return spawn(call_each, 2, [pw.pipeline_report, timed(4)], backend="gloo", timeout=60)
 
 
 @pytest.fixture(scope="module")
 def world4():
     """A timed pipeline of 4 stages, m = 8."""
-    return spawn(timed(8), 4, timeout=60)
+    return spawn(timed(8), 4, backend="gloo", timeout=60)
 
 
 def test_schedules_order_each_stage():
@@ -139,9 +140,14 @@ def test_measured_bubble_is_the_equations(world2, world4, schedule):
 @pytest.fixture(scope="module")
 def torch_reference():
     """torch.distributed.pipelining in its own world, bounded by a short group timeout: it
-    was reported to hang on gloo (pytorch #132644, fixed by #152938 for torch >= 2.8)."""
+    was reported to hang on gloo (pytorch #132644, fixed by #152938 for torch >= 2.8). On
+    torch 2.9 (the package's floor) a rank aborts in gloo, float32 or float64, with or
+    without shapes given ("Received data size doesn't match expected size", measured), so
+    the reference is torch 2.10's and newer's; our pipeline_step runs on 2.9 too."""
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
+        pytest.skip(f"torch.distributed.pipelining aborts on gloo in torch {torch.__version__}")
     try:
-        return spawn(pw.torch_pipeline_report, 2, timeout=30)
+        return spawn(pw.torch_pipeline_report, 2, backend="gloo", timeout=30)
     except WorkerError as error:
         if "timed out" in str(error).lower() or "timeout" in str(error).lower():
             pytest.skip(f"torch.distributed.pipelining hung on gloo (pytorch #132644): {error}")

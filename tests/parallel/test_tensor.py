@@ -30,7 +30,7 @@ ALL_REDUCES = {
 
 @pytest.fixture(scope="module")
 def reports():
-    return spawn(parallel_workers.tensor_parallel_report, 2, timeout=60)
+    return spawn(parallel_workers.tensor_parallel_report, 2, backend="gloo", timeout=60)
 
 
 @pytest.mark.parametrize("piece", PIECES)
