@@ -19,7 +19,7 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 COLAB_BASE := $(VENV)/colab-base
 FLOOR := $(VENV)/floor
 
-.PHONY: setup book test test-main test-floor floor lint browser colab-base student bench bench-cost clean
+.PHONY: setup book test test-main test-floor floor test-gpu gpu-wheels lint browser colab-base student bench bench-cost clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,26 @@ FLOOR_SKIP := test_book.py test_labs_portable.py test_nbgrader.py test_nbgrader_
 test-floor: floor
 	LSDL_SCALE=smoke $(FLOOR)/bin/python -m pytest -n 2 --dist loadfile -p no:cacheprovider \
 		$(addprefix --ignore=tests/,$(FLOOR_SKIP)) tests --nbval-lax labs
+
+# On a machine with a CUDA GPU and its own torch (Colab, a cloud GPU), not part of `make test`:
+# every lab and chapter at gpu on CUDA, the library's tests with their CUDA half, the entry
+# point with 1 and 2 ranks on the GPU, the optimizers on CUDA; its report goes to
+# benchmarks/results/cuda/gpu_check.md (benchmarks/gpu_check.py). It uses the python on
+# PATH (GPU_PYTHON), not .venv, whose torch is the CPU build of requirements.txt.
+GPU_PYTHON ?= python3
+test-gpu:
+	$(GPU_PYTHON) -m pip install -q -r tests/gpu-requirements.txt
+	$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	$(GPU_PYTHON) -m benchmarks.gpu_check
+
+# The wheels of tests/gpu-requirements.txt for a GPU machine without internet (CPython 3.12,
+# x86-64 Linux), into .whl/, but torch's own (the machine keeps its torch); there:
+# pip install --no-index --find-links .whl -r tests/gpu-requirements.txt
+gpu-wheels:
+	$(PYTHON) -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d .whl -r tests/gpu-requirements.txt
+	rm -f .whl/torch-* .whl/torchvision-* .whl/triton-* .whl/nvidia_*
 
 # Not part of `make test`: minutes of timing, written to benchmarks/results/.
 bench: $(STAMP)

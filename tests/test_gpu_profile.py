@@ -35,6 +35,7 @@ import io
 import json
 import os
 import pickle
+import re
 import tarfile
 import time
 from pathlib import Path
@@ -42,11 +43,14 @@ from pathlib import Path
 import nbformat
 import numpy as np
 import pytest
+import torch
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = sorted((ROOT / "labs").glob("lab*.ipynb"))
+CHAPTERS = sorted((ROOT / "book").glob("ch*.md"))
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where a lab's setup() puts it
 # Two steps (a loop whose first step is special still runs an ordinary one); 16 images; a
 # text window of 256 tokens counts 256 examples (tokens), so texts get one.
 MAX_STEPS, MAX_EXAMPLES = 2, 16
@@ -256,7 +260,74 @@ def test_lab_runs_at_the_gpu_profile(lab, gpu_data, capsys):
             f"\n{lab.stem}: dry run at gpu in {seconds:.1f} s; {len(false_asserts)} effect "
             f"assertion(s) false under the caps: {false_asserts}"
         )
-    assert "lsdl_lab: profile 'gpu' on cpu" in printed
+    assert f"lsdl_lab: profile 'gpu' on {DEVICE}" in printed
+
+
+# --- the chapters, on a GPU machine ---------------------------------------------------------
+
+
+def chapter_notebook(path: Path) -> nbformat.NotebookNode:
+    """A chapter's code cells as a notebook, as myst-nb reads them (checked against its
+    reader below): each ```{code-cell} block's body without its options, a YAML block
+    between ``---`` lines or ``:key: value`` lines at its top. (The GPU check's machine
+    need not have the book's toolchain.)"""
+    cells = []
+    blocks = re.finditer(
+        r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", path.read_text(), re.S | re.M
+    )
+    for block in blocks:
+        lines = block.group(1).splitlines()
+        if lines and lines[0].strip() == "---":
+            lines = lines[[line.strip() for line in lines].index("---", 1) + 1 :]
+        while lines and re.match(r":[\w-]+:", lines[0]):
+            lines = lines[1:]
+        cells.append(nbformat.v4.new_code_cell("\n".join(lines).strip("\n")))
+    return nbformat.v4.new_notebook(cells=cells)
+
+
+def test_chapters_are_read_as_myst_nb_reads_them():
+    myst_nb = pytest.importorskip("myst_nb.core.read", reason="the book's toolchain")
+    for chapter in CHAPTERS:
+        theirs = myst_nb.read_myst_markdown_notebook(chapter.read_text())
+        code = [c.source.strip("\n") for c in theirs.cells if c.cell_type == "code"]
+        assert [c.source for c in chapter_notebook(chapter).cells] == code, chapter.name
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="a chapter's own loops are not capped: at gpu sizes it needs a GPU (make test-gpu)",
+)
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=[c.stem for c in CHAPTERS])
+def test_chapter_runs_at_the_gpu_profile(chapter, gpu_data, capsys):
+    """Each chapter's code at ``gpu`` on CUDA, with the caps the library's loops read: no
+    cell may fail (its assertions record instead of raising, as in the labs)."""
+    root, _ = gpu_data
+    nb = chapter_notebook(chapter)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(SETUP))
+    nb.cells.append(nbformat.v4.new_code_cell(REPORT))
+    client = NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(chapter.parent)}},
+    )
+    start = time.perf_counter()
+    try:
+        client.execute(env=dry_run_env(root))
+    except CellTimeoutError as err:
+        pytest.fail(f"{chapter.name} at gpu: a cell ran past {CELL_TIMEOUT} s ({err})")
+    except CellExecutionError:
+        pass
+    error = first_error(nb)
+    assert error is None, f"{chapter.name} at gpu (dry run): {error}"
+    printed_last = "".join(output.get("text", "") for output in nb.cells[-1].outputs)
+    report = [line for line in printed_last.splitlines() if line.startswith("DRY-RUN-ASSERTS ")]
+    assert len(report) == 1, nb.cells[-1].outputs
+    with capsys.disabled():
+        print(
+            f"\n{chapter.stem}: dry run at gpu in {time.perf_counter() - start:.1f} s; false "
+            f"assertions under the caps: {json.loads(report[0].removeprefix('DRY-RUN-ASSERTS '))}"
+        )
 
 
 # --- the machinery, checked on its own --------------------------------------------------------
