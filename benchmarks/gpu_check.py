@@ -11,9 +11,9 @@ report, ``benchmarks/results/cuda/gpu_check.md``:
   toolchain's tests (the book, nbgrader, the browser, the Colab install) are not torch's
   and stay on the CPU machines;
 - ``entry``: the entry point ``python -m lsdl_lab.run`` in one process on the GPU, in
-  every parallel mode (DDP, ZeRO 1-3, FSDP2), in bf16 and fp16 (with the loss scaler) and
-  with the compiled optimizer; then ``torchrun --standalone --nproc-per-node 2`` in every
-  parallel mode, whose ranks :func:`lsdl_lab.dist.placement` puts on the GPUs with NCCL
+  every parallel mode (DDP, ZeRO 1-3, FSDP2), in bf16 and fp16 (with the loss scaler),
+  in the precision ``auto`` picks for the GPU, and with the compiled optimizer; then
+  ``torchrun --standalone --nproc-per-node 2`` in every parallel mode, whose ranks :func:`lsdl_lab.dist.placement` puts on the GPUs with NCCL
   when there is one per rank, else on the CPU with gloo: each run's first line must say
   so, and its loss must be finite;
 - ``bench``: the optimizers on CUDA at 50M parameters (``benchmarks.compiled``: eager,
@@ -183,6 +183,7 @@ def entry_runs(world: int) -> list[tuple[str, list[str]]]:
                 gpt + ["--parallel", "zero2", "--precision", "fp16"],
             ),
             ("ddp, gpt, compiled AdamW", gpt + ["--optimizer-args", '{"compile": true}']),
+            ("ddp, gpt, precision auto", gpt + ["--parallel", "ddp", "--precision", "auto"]),
         ]
     return runs
 
@@ -202,7 +203,8 @@ def check_entry(outcome: Outcome, world: int, out: Path) -> None:
     from lsdl_lab.dist import placement
 
     where = placement("auto", world, 0)
-    first = next((line for line in outcome.output.splitlines() if "lsdl_lab.run:" in line), "")
+    lines = outcome.output.splitlines()
+    first = next((line for line in lines if line.startswith("lsdl_lab.run: world size")), "")
     if where.reason not in first:
         outcome.problems.append(f"first line {first!r} does not say {where.reason!r}")
     metrics = out / "metrics.jsonl"

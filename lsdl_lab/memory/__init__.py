@@ -33,7 +33,13 @@ from .checkpoint import (
     theoretical_peak,
 )
 from .measure import SavedTensorBytes, format_bytes, format_table, measure, measure_by_dtype
-from .precision import LossScaler, amp_step, bf16_range_vs_precision, fp16_underflow
+from .precision import (
+    LossScaler,
+    amp_step,
+    bf16_range_vs_precision,
+    fp16_underflow,
+    mixed_precision_for,
+)
 from .sharded import ZeroOptimizer
 from .zero import zero_bytes
 
@@ -51,6 +57,7 @@ __all__ = [
     "LossScaler",
     "measure",
     "measure_by_dtype",
+    "mixed_precision_for",
     "optimizer_state_bytes",
     "Recompute",
     "ResNetShape",

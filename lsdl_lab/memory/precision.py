@@ -26,7 +26,13 @@ import torch.distributed as dist
 
 from .._util import check_choice, check_int, check_positive, check_real, device_of, generator
 
-__all__ = ["LossScaler", "amp_step", "bf16_range_vs_precision", "fp16_underflow"]
+__all__ = [
+    "LossScaler",
+    "amp_step",
+    "bf16_range_vs_precision",
+    "fp16_underflow",
+    "mixed_precision_for",
+]
 
 
 def _float32(x: float) -> float:
@@ -263,6 +269,23 @@ def fp16_underflow(
         "zero_fraction_float32": (exact == 0).float().mean().item(),
         "max_relative_error_scaled": ((scaled - exact).abs().max() / exact.abs().max()).item(),
     }
+
+
+def mixed_precision_for(device: torch.device | str) -> tuple[str, str]:
+    """The 16-bit arithmetic to train in on ``device``, and why: ``("bf16", ...)`` on a GPU
+    that computes in bfloat16 (NVIDIA's from Ampere on), ``("fp16", ...)`` on an older
+    GPU (a T4 or a V100 has float16 tensor cores and only emulates bfloat16: float16 with
+    the loss scaler), ``("none", ...)`` on a CPU, whose 16-bit matrix products are
+    emulated and many times slower than float32 (Chapter 8 measures it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "none", f"float32: {device.type} has no fast 16-bit arithmetic"
+    name = torch.cuda.get_device_name(device)
+    with torch.cuda.device(device):  # is_bf16_supported asks the current device
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    if native:
+        return "bf16", f"bfloat16: {name} computes in it"
+    return "fp16", f"float16 with the loss scaler: {name} has no bfloat16 arithmetic"
 
 
 def bf16_range_vs_precision() -> dict[str, dict[str, float]]:

@@ -48,7 +48,7 @@ OPTIMIZERS = tuple(
 SCHEDULES = ("constant", "cosine", "linear")
 PARALLELS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 COMPRESSIONS = ("none", "signsgd", "terngrad", "qsgd", "topk", "randomk", "powersgd")
-PRECISIONS = ("none", "bf16", "fp16")
+PRECISIONS = ("none", "bf16", "fp16", "auto")
 
 
 def _opt(default, help: str, **check):
@@ -107,7 +107,8 @@ class Config:
     # memory
     precision: str = _opt(
         "none",
-        "autocast dtype (fp16 adds lsdl_lab's loss scaler)",
+        "autocast dtype (fp16 adds lsdl_lab's loss scaler; auto: bf16 on a GPU that computes "
+        "in it, fp16 on an older GPU, none on a CPU)",
         choices=PRECISIONS,
     )
     activation_checkpoint: int = _opt(

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from .._util import seed_from
 from ..dist.world import Placement, free_port, init_from_env, placement
-from ..memory import LossScaler, checkpoint_sequential
+from ..memory import LossScaler, checkpoint_sequential, mixed_precision_for
 from ..scale import capped_steps
 from ..train import NonFiniteLossError
 from . import checkpoint
@@ -83,6 +83,18 @@ def _placement(config: Config) -> Placement:
     return Placement(where.device, "gloo", f"gloo on {where.device}, as asked")
 
 
+def _precision(config: Config, device: torch.device) -> tuple[Config, str]:
+    """``config`` with ``precision="auto"`` made concrete for ``device``
+    (:func:`lsdl_lab.memory.mixed_precision_for`: bf16 where the GPU computes in it, fp16
+    with the loss scaler on an older GPU, none on a CPU), and why; else as it is."""
+    if config.precision != "auto":
+        return config, ""
+    precision, why = mixed_precision_for(device)
+    if precision == "fp16" and config.parallel == "fsdp2":
+        precision, why = "none", f"float32: FSDP2 here takes bf16 only, and {why}"
+    return config.replace(precision=precision), why
+
+
 def _join(config: Config, backend: str) -> tuple[int, int, bool]:
     """(rank, world size, whether this call created the process group)."""
     if dist.is_initialized():  # a world started by lsdl_lab.dist.spawn
@@ -109,9 +121,10 @@ def train(config: Config) -> list[dict]:
     if not isinstance(config, Config):
         raise TypeError(f"Invalid config: a {type(config).__name__} (expected a Config)")
     where = _placement(config)
+    config, why = _precision(config, where.device)
     rank, world, created = _join(config, where.backend)
     try:
-        return _run(config, rank, world, where)
+        return _run(config, rank, world, where, why)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
@@ -163,7 +176,7 @@ def _gather(world: int, value) -> list:
     return out
 
 
-def _run(config: Config, rank: int, world: int, where: Placement) -> list[dict]:
+def _run(config: Config, rank: int, world: int, where: Placement, why: str) -> list[dict]:
     device = where.device
     micro, accumulation = _micro_batch(config, world)
     steps = capped_steps(config.steps)  # the identity, except in a dry run (lsdl_lab.scale)
@@ -180,6 +193,8 @@ def _run(config: Config, rank: int, world: int, where: Placement) -> list[dict]:
         f"{where.reason}), "
         f"{accumulation} micro-batch(es) of {micro} per rank and step\n{config.describe()}",
     )
+    if why:
+        _say(rank, f"precision auto: {why}")
     built = build(config, device)
     model = built.model
     if config.activation_checkpoint:

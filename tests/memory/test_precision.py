@@ -1,5 +1,6 @@
 """The loss scaler against torch.amp.GradScaler, and the fp16/bf16 demonstrations."""
 
+import contextlib
 import math
 
 import pytest
@@ -232,3 +233,24 @@ def test_bf16_has_fp32_range_and_little_precision():
     assert bf16["1+2^-9"] == 1.0 and fp16["1+2^-9"] > 1.0
     assert bf16["sum of 1000 x 1e-3 onto 1"] == 1.0  # stalled: fp32 master weights are needed
     assert fp32["sum of 1000 x 1e-3 onto 1"] == pytest.approx(2.0, abs=1e-3)
+
+
+def test_the_mixed_precision_of_a_device_is_what_it_computes_fast(monkeypatch):
+    from lsdl_lab.memory import mixed_precision_for
+
+    assert mixed_precision_for("cpu") == ("none", "float32: cpu has no fast 16-bit arithmetic")
+    # a GPU, pretended: its name, and whether it computes in bfloat16 (asked of it as the
+    # current device; emulated bfloat16 does not count)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext(asked.append(d)))
+    emulated = lambda including_emulation=True: including_emulation  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", emulated)
+    assert mixed_precision_for(torch.device("cuda", 1)) == (
+        "fp16",
+        "float16 with the loss scaler: Tesla T4 has no bfloat16 arithmetic",
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert mixed_precision_for("cuda:1") == ("bf16", "bfloat16: NVIDIA A100 computes in it")
+    assert asked == [torch.device("cuda", 1)] * 2

@@ -281,7 +281,28 @@ def test_a_world_larger_than_the_machines_gpus_runs_on_the_cpu_and_says_so(
     assert _placement(auto.replace(backend="gloo"))[:2] == (torch.device("cuda", 1), "gloo")
     assert _placement(auto.replace(device="cpu"))[:2] == (torch.device("cpu"), "gloo")
     monkeypatch.undo()
-    train(auto.replace(out_dir=str(tmp_path / "one"), device="cpu"))
-    first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("lsdl_lab.run: world size 1, ddp, device cpu (no process group: ")
-    assert "gloo on the CPU, as asked (1 rank on this machine)" in first
+    train(auto.replace(out_dir=str(tmp_path / "one"), device="cpu", precision="auto"))
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("lsdl_lab.run: world size 1, ddp, device cpu (no process group: ")
+    assert "gloo on the CPU, as asked (1 rank on this machine)" in printed[0]
+    # precision auto: float32 on a CPU, said once, and the run records the precision it took
+    assert "precision auto: float32: cpu has no fast 16-bit arithmetic" in printed
+    assert "precision: none" in (tmp_path / "one" / "config.yaml").read_text()
+
+
+def test_precision_auto_takes_what_the_gpu_computes_in(monkeypatch):
+    """On a (pretended) GPU without bfloat16 arithmetic, auto is fp16 with the scaler, but
+    float32 with FSDP2 (which this library runs in bf16 only); with it, bf16."""
+    from lsdl_lab.run import loop
+
+    answers = {"t4": ("fp16", "float16 with the loss scaler: T4"), "a100": ("bf16", "A100")}
+    for gpu, (precision, why) in answers.items():
+        monkeypatch.setattr(loop, "mixed_precision_for", lambda d, a=answers[gpu]: a)
+        config = make(BASE, precision="auto")
+        assert loop._precision(config, torch.device("cuda", 0)) == (
+            config.replace(precision=precision),
+            why,
+        )
+        fsdp2, said = loop._precision(config.replace(parallel="fsdp2"), torch.device("cuda"))
+        assert fsdp2.precision == ("none" if gpu == "t4" else "bf16"), said
+    assert loop._precision(make(BASE, precision="fp16"), torch.device("cpu"))[1] == ""
