@@ -13,9 +13,10 @@ report, ``benchmarks/results/cuda/gpu_check.md``:
 - ``entry``: the entry point ``python -m lsdl_lab.run`` in one process on the GPU, in
   every parallel mode (DDP, ZeRO 1-3, FSDP2), in bf16 and fp16 (with the loss scaler),
   in the precision ``auto`` picks for the GPU, and with the compiled optimizer; then
-  ``torchrun --standalone --nproc-per-node 2`` in every parallel mode, whose ranks :func:`lsdl_lab.dist.placement` puts on the GPUs with NCCL
-  when there is one per rank, else on the CPU with gloo: each run's first line must say
-  so, and its loss must be finite;
+  ``torchrun --standalone --nproc-per-node 2`` in every parallel mode, whose ranks
+  :func:`lsdl_lab.dist.placement` puts on the GPUs with NCCL when there is one per rank,
+  else on the CPU with gloo: each run's first line must say so, and its loss must be
+  finite;
 - ``bench``: the optimizers on CUDA at 50M parameters (``benchmarks.compiled``: eager,
   compiled, torch's fused and foreach kernels, against the streaming bandwidth B*), alone
   on the GPU after the rest, its table in ``benchmarks/results/cuda/compiled.md``.
