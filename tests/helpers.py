@@ -1,17 +1,20 @@
 """Small models with known Hessians, a tiny MLP and a tiny CNN, shared by the curvature and
-landscape tests."""
+landscape tests. Each is made on the CPU from its seed (the same numbers everywhere) and
+moved to ``device`` (default: the CPU)."""
 
 import torch
 from torch import nn
 
 
 class Quadratic(nn.Module):
-    """L(x) = 1/2 x^T A x, whose Hessian is A wherever x is (x starts at ``x0``, else 0)."""
+    """L(x) = 1/2 x^T A x, whose Hessian is A wherever x is (x starts at ``x0``, else 0), on
+    A's device."""
 
     def __init__(self, A: torch.Tensor, x0: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("A", A)
-        self.x = nn.Parameter(torch.zeros(len(A), dtype=A.dtype) if x0 is None else x0.clone())
+        x = torch.zeros(len(A), dtype=A.dtype) if x0 is None else x0.clone()
+        self.x = nn.Parameter(x.to(A.device))
 
     def forward(self, inputs):
         return 0.5 * self.x @ self.A @ self.x
@@ -53,19 +56,20 @@ def scaled_loss(out, y):
 
 
 def quadratic_operator(A: torch.Tensor, method: str = "double_backward"):
-    """The HessianOperator of a Quadratic with matrix A (its Hessian is A), from a random x."""
+    """The HessianOperator of a Quadratic with matrix A (its Hessian is A), from a random x
+    (drawn on the CPU), on A's device."""
     from lsdl_lab.curvature import HessianOperator
 
-    batch = (torch.zeros(1), torch.ones(1, dtype=A.dtype))
+    batch = (torch.zeros(1, device=A.device), torch.ones(1, dtype=A.dtype, device=A.device))
     model = Quadratic(A, torch.randn(len(A), dtype=A.dtype))
     return HessianOperator(model, scaled_loss, [batch], method=method)
 
 
-def mlp(seed=0, dtype=torch.float64):
+def mlp(seed=0, dtype=torch.float64, device="cpu"):
     """A 6-8-3 tanh MLP (83 parameters) with 40 examples of 3 classes."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(40, 6, generator=gen, dtype=dtype)
     y = torch.randint(3, (40,), generator=gen)
-    return model, x, y
+    return model.to(device), x.to(device), y.to(device)

@@ -1,6 +1,10 @@
 """Tests of lsdl_lab.landscape: closed forms on linear and quadratic "models", exact restore
 of the weights, Li et al.'s filter normalization as properties, Goodfellow et al.'s
-interpolation end points, and Dinh et al.'s reparametrization on the library's MLP."""
+interpolation end points, and Dinh et al.'s reparametrization on the library's MLP.
+
+The measurements run on every device of the ``device`` fixture: models made on the CPU from
+their seeds and moved there, while the batches stay where the test made them (the library
+moves them to the model's device). Bad arguments and plots stay on the CPU."""
 
 import copy
 import math
@@ -60,8 +64,8 @@ def assert_unchanged(model, before):
 # -- loss_at --------------------------------------------------------------------------------
 
 
-def test_loss_at_weights_batches_by_size_and_keeps_the_mode():
-    model, x, y = cnn()
+def test_loss_at_weights_batches_by_size_and_keeps_the_mode(device):
+    model, x, y = cnn(device=device)
     model.train()
     batches = [(x[:5], y[:5]), (x[5:], y[5:])]  # unequal sizes
     model.eval()
@@ -84,14 +88,15 @@ def test_loss_at_refuses_no_batches():
 
 
 @pytest.mark.parametrize("method", ["sign_ascent", "l-bfgs-b"])
-def test_epsilon_sharpness_of_a_linear_loss_is_the_box_corner(method):
+def test_epsilon_sharpness_of_a_linear_loss_is_the_box_corner(method, device):
     # max over |z_i| <= eps(|x_i| + 1) of c^T (x + z) is c^T x + eps sum |c_i| (|x_i| + 1).
     gen = torch.Generator().manual_seed(3)
     c = torch.randn(7, generator=gen, dtype=torch.float64)
     x = torch.randn(7, generator=gen, dtype=torch.float64) + 2.0
-    model, eps = Linear(c, x), 0.01
+    eps = 0.01
     f = (c @ x).item()
     top = f + eps * (c.abs() * (x.abs() + 1)).sum().item()
+    model = Linear(c, x).to(device)  # SCALAR_BATCH stays on the CPU
     s = ls.epsilon_sharpness(model, output, SCALAR_BATCH, epsilon=eps, steps=20, method=method)
     assert s.loss == pytest.approx(f, rel=1e-12)
     assert s.max_loss == pytest.approx(top, rel=1e-9)
@@ -100,8 +105,8 @@ def test_epsilon_sharpness_of_a_linear_loss_is_the_box_corner(method):
 
 
 @pytest.mark.parametrize("method", ["sign_ascent", "l-bfgs-b"])
-def test_epsilon_sharpness_leaves_the_model_exactly_as_it_was(method):
-    model, x, y = cnn()
+def test_epsilon_sharpness_leaves_the_model_exactly_as_it_was(method, device):
+    model, x, y = cnn(device=device)
     model.train()
     before = snapshot(model)
     s = ls.epsilon_sharpness(
@@ -119,8 +124,8 @@ def test_epsilon_sharpness_leaves_the_model_exactly_as_it_was(method):
     assert s.loss == pytest.approx(ls.loss_at(model, F.cross_entropy, (x, y)), rel=1e-12)
 
 
-def test_a_failing_loss_leaves_weights_and_modes_as_they_were():
-    model, x, y = cnn()
+def test_a_failing_loss_leaves_weights_and_modes_as_they_were(device):
+    model, x, y = cnn(device=device)
     model.train()
     model[1].eval()  # a frozen BatchNorm stays frozen
     before = snapshot(model)
@@ -163,8 +168,8 @@ def test_a_dry_run_caps_the_ascent_steps(method, monkeypatch):
         assert 1 + 6 <= uncapped and 1 + 2 <= capped < uncapped
 
 
-def test_epsilon_sharpness_grows_with_the_box():
-    model, x, y = cnn()
+def test_epsilon_sharpness_grows_with_the_box(device):
+    model, x, y = cnn(device=device)
     values = [
         ls.epsilon_sharpness(model, F.cross_entropy, (x, y), epsilon=e, steps=10).sharpness
         for e in (1e-3, 1e-2, 1e-1)
@@ -228,10 +233,11 @@ nets = st.builds(random_net, st.integers(1, 6), st.integers(1, 9), st.integers(0
 
 @settings(max_examples=30, deadline=None)
 @given(net=nets, seed=st.integers(0, 2**16))
-def test_each_filter_has_the_norm_of_the_weights_filter(net, seed):
+def test_each_filter_has_the_norm_of_the_weights_filter(net, seed, device):
+    net = net.to(device)
     direction = ls.random_direction(net, seed=seed)
     for p, d in zip(net.parameters(), direction):
-        assert d.shape == p.shape and d.dtype == p.dtype
+        assert d.shape == p.shape and d.dtype == p.dtype and d.device == p.device
         if p.dim() <= 1:
             assert torch.count_nonzero(d) == 0  # ignore="biasbn"
         else:
@@ -242,7 +248,8 @@ def test_each_filter_has_the_norm_of_the_weights_filter(net, seed):
 
 @settings(max_examples=30, deadline=None)
 @given(net=nets, c=st.floats(0.05, 20.0), ignore=st.sampled_from(["biasbn", None]))
-def test_filter_normalized_directions_scale_with_the_weights(net, c, ignore):
+def test_filter_normalized_directions_scale_with_the_weights(net, c, ignore, device):
+    net = net.to(device)
     scaled = copy.deepcopy(net)
     with torch.no_grad():
         for p in scaled.parameters():
@@ -253,8 +260,8 @@ def test_filter_normalized_directions_scale_with_the_weights(net, c, ignore):
         torch.testing.assert_close(b, c * a, rtol=1e-5, atol=1e-6)
 
 
-def test_random_direction_options():
-    net = random_net(3, 4, 0).double()
+def test_random_direction_options(device):
+    net = random_net(3, 4, 0).to(device, torch.float64)
     params = list(net.parameters())
     copied = ls.random_direction(net, seed=0, ignore=None)
     raw = ls.random_direction(net, seed=0, filter_normalize=False)
@@ -280,10 +287,10 @@ def test_random_direction_options():
 # -- slices -----------------------------------------------------------------------------------
 
 
-def test_slices_of_a_quadratic_along_eigenvectors_are_exact_parabolas():
+def test_slices_of_a_quadratic_along_eigenvectors_are_exact_parabolas(device):
     lam = torch.tensor([5.0, 2.0, 0.5, -1.0], dtype=torch.float64)
     A, Q = symmetric(lam)
-    model = Quadratic(A)
+    model = Quadratic(A.to(device))  # the directions (Q's columns) stay on the CPU
     alphas, betas = np.linspace(-2, 2, 9), np.linspace(-1, 1, 5)
     for i in range(4):
         losses = ls.slice_1d(model, output, SCALAR_BATCH, [Q[:, i]], alphas)
@@ -336,9 +343,9 @@ def test_slice_bad_arguments():
 # -- interpolation ----------------------------------------------------------------------------
 
 
-def test_interpolation_end_points_reproduce_each_model_with_batchnorm():
-    model_a, x, y = cnn(seed=0)
-    model_b, _, _ = cnn(seed=5)
+def test_interpolation_end_points_reproduce_each_model_with_batchnorm(device):
+    model_a, x, y = cnn(seed=0, device=device)
+    model_b, _, _ = cnn(seed=5, device=device)
     before_a, before_b = snapshot(model_a), snapshot(model_b)
     result = ls.interpolate(
         model_a, model_b, F.cross_entropy, (x, y), [0.0, 0.5, 1.0, 1.5, -0.5], metric=accuracy
@@ -355,9 +362,9 @@ def test_interpolation_end_points_reproduce_each_model_with_batchnorm():
     assert_unchanged(model_b, before_b)
 
 
-def test_interpolation_can_recompute_the_batchnorm_statistics():
-    model_a, x, y = cnn(seed=0)
-    model_b, _, _ = cnn(seed=5)
+def test_interpolation_can_recompute_the_batchnorm_statistics(device):
+    model_a, x, y = cnn(seed=0, device=device)
+    model_b, _, _ = cnn(seed=5, device=device)
     with torch.no_grad():
         model_b[1].running_var.mul_(10.0)  # so that extrapolating turns a variance negative
     alphas = [-0.5, 0.0, 1.5]
@@ -375,8 +382,9 @@ def test_interpolation_can_recompute_the_batchnorm_statistics():
         ls.interpolate(model_a, model_b, F.cross_entropy, (x, y), alphas, batchnorm="reset")
 
 
-def test_interpolation_of_a_quadratic_follows_the_segment():
+def test_interpolation_of_a_quadratic_follows_the_segment(device):
     A, _ = symmetric(torch.tensor([3.0, 1.0, 0.5], dtype=torch.float64))
+    A = A.to(device)
     a, b = Quadratic(A), Quadratic(A)
     with torch.no_grad():
         a.x.copy_(torch.tensor([1.0, -2.0, 0.5]))
@@ -402,10 +410,10 @@ def top_eigenvalue(model, x, y, params=None):
 
 
 @pytest.mark.parametrize("alpha", [5.0, 0.2])
-def test_rescaling_relu_layers_keeps_the_function_but_not_the_sharpness(alpha):
+def test_rescaling_relu_layers_keeps_the_function_but_not_the_sharpness(alpha, device):
     torch.manual_seed(0)
-    model = MLP(8, 3, hidden=16, depth=2).double()
-    x, y = mlp_data()
+    model = MLP(8, 3, hidden=16, depth=2).to(device, torch.float64)
+    x, y = (t.to(device) for t in mlp_data())
     lam = top_eigenvalue(model, x, y)
     first, second = model.net[3], model.net[5]
     blocks = [top_eigenvalue(model, x, y, [layer.weight]) for layer in (first, second)]

@@ -17,8 +17,11 @@ PyHessian (Yao et al., 2020), and takes any :class:`~lsdl_lab.curvature.operator
 
 Unlike PyHessian 0.1 every random vector comes from a generator seeded by ``seed`` (on the
 operator's device, in its dtype), and the tridiagonal matrix is diagonalized with ``eigh``
-(real nodes and weights). benchmarks/README.md counts the products each needs at equal
-error against PyHessian's.
+(real nodes and weights). The Lanczos coefficients are numbers on the host (one per
+product), so the tridiagonal matrix and what comes from it alone (Ritz values, quadrature
+nodes and weights, the density) are small float64 tensors on the CPU; what meets the
+operator's vectors (Ritz vectors) is moved to their device. benchmarks/README.md counts the
+products each needs at equal error against PyHessian's.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ def _lanczos_top(A: CurvatureOperator, k: int, iters: int, tol: float, gen):
         residuals = beta[-1] * S[-1, top].abs()  # ||A y_i - theta_i y_i|| (Parlett, Sec. 13.2)
         if bool((residuals <= tol * theta[top].abs()).all()):
             break
-    vectors = (S[:, top].to(A.dtype).T @ Q).unbind()
+    vectors = (S[:, top].T.to(Q) @ Q).unbind()  # S on the CPU, Q on the operator's device
     return theta[top].tolist(), [y / y.norm() for y in vectors]
 
 
@@ -202,7 +205,8 @@ def lanczos(A: CurvatureOperator, m: int, seed: int = 0) -> tuple[torch.Tensor, 
     From a random unit :math:`q_1` (Rademacher, normalized), :math:`\beta_j q_{j+1} =
     Aq_j - \alpha_j q_j - \beta_{j-1}q_{j-1}` with :math:`\alpha_j = q_j^\top Aq_j`; every new
     vector is reorthogonalized against all previous ones. Returns ``alpha`` (diagonal, length
-    m) and ``beta`` (off-diagonal, length m - 1) in float64. ``m`` is capped at ``A.dim``.
+    m) and ``beta`` (off-diagonal, length m - 1) in float64, on the CPU. ``m`` is capped at
+    ``A.dim``.
     If the Krylov space closes (an invariant subspace), Lanczos goes on from a new random
     direction with a zero ``beta``.
     """
@@ -243,7 +247,9 @@ def _probe(A: CurvatureOperator, gen: torch.Generator, distribution: str) -> tor
 def _probes(A: CurvatureOperator, n: int, gen, distribution: str) -> torch.Tensor:
     """n random vectors with E[v v^T] = I, as the columns of a (dim, n) matrix."""
     columns = [_probe(A, gen, distribution) for _ in range(n)]
-    return torch.stack(columns, 1) if columns else torch.zeros(A.dim, 0, dtype=A.dtype)
+    if not columns:
+        return torch.zeros(A.dim, 0, dtype=A.dtype, device=A.device)
+    return torch.stack(columns, 1)
 
 
 def _apply(A: CurvatureOperator, V: torch.Tensor) -> torch.Tensor:
@@ -382,7 +388,8 @@ def spectral_density(
 
     ``sigma`` defaults to PyHessian's :math:`\sqrt{10^{-5}\max(1, \theta_{\max}-\theta_{\min})}`;
     the default grid reaches 5 sigma beyond the extreme nodes with a spacing of sigma / 4.
-    The density is normalized to integrate to 1 over ``grid``.
+    The density is normalized to integrate to 1 over ``grid``. Every tensor of the result
+    is float64 on the CPU (a ``grid`` given on another device is copied there).
     """
     _check_operator(A)
     check_int("runs", runs, 1)
@@ -402,7 +409,7 @@ def spectral_density(
     if grid is None:
         points = min(100_000, max(1_000, math.ceil((hi - lo + 10 * sigma) / (sigma / 4))))
         grid = torch.linspace(lo - 5 * sigma, hi + 5 * sigma, points, dtype=torch.float64)
-    grid = torch.as_tensor(grid, dtype=torch.float64)
+    grid = torch.as_tensor(grid, dtype=torch.float64, device=nodes.device)  # the CPU
     density = sum(  # a block of nodes at a time: the grid can be long
         _gaussian(grid[:, None], th, sigma) @ w
         for th, w in zip(nodes.split(256), weights.split(256))

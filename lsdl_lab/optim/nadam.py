@@ -70,9 +70,11 @@ class NAdam(Optimizer):
     def mu_products(self, params):
         # Pi_t is a 0-dim tensor rounded to the parameter's dtype, not a Python float: torch.optim
         # keeps it so (in the default dtype, cast to the parameter's by load_state_dict), and
-        # the products then round alike, so results agree bitwise
+        # the products then round alike, so results agree bitwise. It lives on the parameter's
+        # device, with the compiled path's factors mu_t (torch.optim starts it on the CPU, and
+        # its load_state_dict moves it to the parameter's device, as it moves ours)
         for p in params:
-            self.state[p].setdefault("mu_product", torch.ones((), dtype=p.dtype))
+            self.state[p].setdefault("mu_product", torch.ones((), dtype=p.dtype, device=p.device))
         return [self.state[p]["mu_product"] for p in params]
 
     def update(self, group, params, grads):

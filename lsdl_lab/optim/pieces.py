@@ -69,13 +69,12 @@ def smaller(a, b):
 
 def host_scalars(tensors: Tensor | list[Tensor]) -> list:
     """Scalars computed on the device (a 1-D tensor, or 0-d tensors), as the foreach
-    operations take them: Python numbers eagerly (copied to the host at once), the 0-d
-    tensors themselves on the compiled path, where a copy to the host would end the graph."""
+    operations take them: Python numbers eagerly (copied to the host at once: one copy, not
+    one synchronization per tensor), the 0-d tensors themselves on the compiled path, where
+    a copy to the host would end the graph."""
     if torch.compiler.is_compiling():
         return list(tensors)
-    if isinstance(tensors, Tensor):
-        return tensors.tolist()
-    return [x.item() for x in tensors]
+    return (tensors if isinstance(tensors, Tensor) else torch.stack(tensors)).tolist()
 
 
 def coupled_weight_decay(grads: list[Tensor], params: list[Tensor], lam: float) -> list[Tensor]:

@@ -2,7 +2,11 @@
 beside them) against curvlinops 3.0.1
 (float64, a 2-layer MLP and a tiny CNN, both reductions of cross-entropy and squared error),
 against independent dense computations (per-example gradients, the Hessian of a linear
-model), in expectation, through the probes, and on bad input."""
+model), in expectation, through the probes, and on bad input. The operators run on every
+device of the ``device`` fixture (models and data made on the CPU from their seeds, then
+moved there), curvlinops beside them on the same device: its Monte-Carlo Fisher draws its
+targets from a generator on that device, as ours does, so the same seed gives the same
+matrix there too. The bad-input tests stay on the CPU."""
 
 import pytest
 import torch
@@ -25,27 +29,29 @@ LOSSES = {
 
 def dense(op) -> torch.Tensor:
     """The operator's matrix, column by column."""
-    return torch.stack([op @ e for e in torch.eye(op.dim, dtype=op.dtype)], 1)
+    return torch.stack([op @ e for e in torch.eye(op.dim, dtype=op.dtype, device=op.device)], 1)
 
 
-def problem(make, loss_name):
+def problem(make, loss_name, device="cpu"):
     """A model in evaluation mode (curvlinops does not switch modes), its loss and data."""
-    model, x, y = make()
+    model, x, y = make(device=device)
     model.eval()
     if loss_name.startswith("mse"):
         y = torch.randn(len(x), 3, generator=torch.Generator().manual_seed(9), dtype=x.dtype)
+        y = y.to(device)
     return model, LOSSES[loss_name], [(x, y)]
 
 
 @pytest.mark.parametrize("loss_name", LOSSES)
 @pytest.mark.parametrize("make", [mlp, cnn])
-def test_ggn_fisher_and_empirical_fisher_equal_curvlinops(make, loss_name):
+def test_ggn_fisher_and_empirical_fisher_equal_curvlinops(make, loss_name, device):
     cl = pytest.importorskip("curvlinops")
-    model, loss, data = problem(make, loss_name)
+    model, loss, data = problem(make, loss_name, device)
     params = list(model.parameters())
-    eye = torch.eye(sum(p.numel() for p in params), dtype=torch.float64)
+    eye = torch.eye(sum(p.numel() for p in params), dtype=torch.float64, device=device)
     # the Hessian on four random vectors (its dense matrix would cost a product per column)
     V = torch.randn(len(eye), 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    V = V.to(device)
     ours = cv.HessianOperator(model, loss, data)
     theirs = cl.HessianLinearOperator(model, loss, params, data) @ V
     torch.testing.assert_close(torch.stack([ours @ v for v in V.T], 1), theirs, rtol=1e-10,
@@ -65,10 +71,10 @@ def test_ggn_fisher_and_empirical_fisher_equal_curvlinops(make, loss_name):
         torch.testing.assert_close(dense(ours), theirs @ eye, rtol=1e-10, atol=1e-12)
 
 
-def test_the_operators_restore_the_mode_and_are_fixed_matrices():
-    model, x, y = cnn()  # BatchNorm and dropout, in training mode
+def test_the_operators_restore_the_mode_and_are_fixed_matrices(device):
+    model, x, y = cnn(device=device)  # BatchNorm and dropout, in training mode
     model.train()
-    v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64).to(device)
     for op in (
         cv.GGNOperator(model, F.cross_entropy, [(x, y)]),
         cv.FisherOperator(model, F.cross_entropy, [(x, y)], samples=2, seed=1),
@@ -80,18 +86,19 @@ def test_the_operators_restore_the_mode_and_are_fixed_matrices():
         assert torch.linalg.eigvalsh(G).min() > -1e-10 * G.norm()  # positive semi-definite
 
 
-def test_ggn_of_a_linear_model_with_squared_error_is_its_hessian():
+def test_ggn_of_a_linear_model_with_squared_error_is_its_hessian(device):
     """With f linear in w the network's curvature term vanishes: G = H exactly."""
     torch.manual_seed(0)
-    model = nn.Linear(5, 3).double()
+    model = nn.Linear(5, 3).to(device, torch.float64)
     x, y = torch.randn(20, 5, dtype=torch.float64), torch.randn(20, 3, dtype=torch.float64)
+    x, y = x.to(device), y.to(device)
     G = dense(cv.GGNOperator(model, F.mse_loss, [(x, y)]))
     torch.testing.assert_close(G, cv.hessian_matrix(model, F.mse_loss, [(x, y)]))
 
 
-def test_ggn_is_the_hessian_without_the_networks_curvature():
+def test_ggn_is_the_hessian_without_the_networks_curvature(device):
     """On a tanh MLP the two differ, and only the Hessian has negative eigenvalues here."""
-    model, x, y = mlp()
+    model, x, y = mlp(device=device)
     G = dense(cv.GGNOperator(model, F.cross_entropy, [(x, y)]))
     H = cv.hessian_matrix(model, F.cross_entropy, [(x, y)])
     assert (G - H).norm() > 1e-3 * H.norm()
@@ -114,8 +121,8 @@ def per_example_gradients(model, x, y, loss):
     )
 
 
-def test_empirical_fisher_is_the_mean_outer_product_of_per_example_gradients():
-    model, x, y = mlp()
+def test_empirical_fisher_is_the_mean_outer_product_of_per_example_gradients(device):
+    model, x, y = mlp(device=device)
     g = per_example_gradients(model, x, y, F.cross_entropy)
     E = dense(
         cv.FisherOperator(
@@ -125,8 +132,8 @@ def test_empirical_fisher_is_the_mean_outer_product_of_per_example_gradients():
     torch.testing.assert_close(E, g.T @ g / len(x))
 
 
-def test_monte_carlo_fisher_tends_to_the_ggn_and_the_empirical_fisher_does_not():
-    model, x, y = mlp()
+def test_monte_carlo_fisher_tends_to_the_ggn_and_the_empirical_fisher_does_not(device):
+    model, x, y = mlp(device=device)
     G = dense(cv.GGNOperator(model, F.cross_entropy, [(x, y)]))
 
     def error(**kwargs):
@@ -138,8 +145,8 @@ def test_monte_carlo_fisher_tends_to_the_ggn_and_the_empirical_fisher_does_not()
     assert error(empirical=True) > 5 * many
 
 
-def test_batches_are_weighted_as_the_mean_loss():
-    model, x, y = mlp()
+def test_batches_are_weighted_as_the_mean_loss(device):
+    model, x, y = mlp(device=device)
     for make in (
         lambda data: cv.GGNOperator(model, F.cross_entropy, data),
         lambda data: cv.FisherOperator(model, F.cross_entropy, data, empirical=True),
@@ -148,8 +155,8 @@ def test_batches_are_weighted_as_the_mean_loss():
         torch.testing.assert_close(dense(make([(x[:10], y[:10]), (x[10:], y[10:])])), whole)
 
 
-def test_probes_and_cg_take_them():
-    model, x, y = mlp()
+def test_probes_and_cg_take_them(device):
+    model, x, y = mlp(device=device)
     op = cv.GGNOperator(model, F.cross_entropy, [(x, y)])
     G = dense(op)
     exact = torch.linalg.eigvalsh(G)
@@ -158,10 +165,10 @@ def test_probes_and_cg_take_them():
     assert cv.trace(op, samples=60, method="hutch++")[0] == pytest.approx(
         G.trace().item(), rel=0.05
     )
-    b = torch.randn(op.dim, dtype=torch.float64)
+    b = torch.randn(op.dim, dtype=torch.float64).to(device)
     sol, info = cv.cg(op, b, damping=1e-2, tol=1e-10)
     assert info.converged
-    torch.testing.assert_close(sol, torch.linalg.solve(G + 1e-2 * torch.eye(op.dim), b))
+    torch.testing.assert_close(sol, torch.linalg.solve(G + 1e-2 * torch.eye(op.dim).to(G), b))
 
 
 @pytest.mark.parametrize(

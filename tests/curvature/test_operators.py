@@ -1,6 +1,8 @@
 """Tests of lsdl_lab.curvature.operators: the operator protocol, HessianOperator on quadratics
 and small networks against their exact Hessian, DenseOperator, the affine BatchNorm, and
-bad input."""
+bad input. The operators run on every device of the ``device`` fixture (matrices, models and
+data made on the CPU from their seeds, then moved there); the bad-input tests stay on the
+CPU."""
 
 import copy
 
@@ -31,13 +33,13 @@ def test_the_package_exports_its_modules_public_names():
     assert all(hasattr(curvature, name) for name in curvature.__all__)
 
 
-def test_dense_operator_is_its_matrix_and_counts_its_products():
-    A = symmetric(SPECTRUM)[0]
+def test_dense_operator_is_its_matrix_and_counts_its_products(device):
+    A = symmetric(SPECTRUM)[0].to(device)
     op = DenseOperator(A)
     assert isinstance(op, curvature.CurvatureOperator)
     assert (op.dim, op.shape, op.dtype, op.device) == (8, (8, 8), A.dtype, A.device)
     assert op.products == 0
-    v = torch.randn(8, dtype=torch.float64)
+    v = torch.randn(8, dtype=torch.float64).to(device)
     torch.testing.assert_close(op.matvec(v), A @ v)
     torch.testing.assert_close(op @ v, A @ v)
     assert op.products == 2
@@ -70,7 +72,7 @@ def test_matvec_checks_its_vector():
     assert op.products == 0  # refused vectors are not products
 
 
-def test_a_subclass_needs_only_its_product():
+def test_a_subclass_needs_only_its_product(device):
     class Diagonal(curvature.CurvatureOperator):
         def __init__(self, d):
             self.d, self.dim, self.dtype, self.device = d, len(d), d.dtype, d.device
@@ -78,8 +80,10 @@ def test_a_subclass_needs_only_its_product():
         def _matvec(self, v):
             return self.d * v
 
-    op = Diagonal(torch.arange(1.0, 5.0))
-    torch.testing.assert_close(op @ torch.ones(4), torch.arange(1.0, 5.0))
+    op = Diagonal(torch.arange(1.0, 5.0, device=device))
+    torch.testing.assert_close(
+        op @ torch.ones(4, device=device), torch.arange(1.0, 5.0, device=device)
+    )
     assert op.products == 1
 
     class Unfinished(curvature.CurvatureOperator):
@@ -93,11 +97,11 @@ def test_a_subclass_needs_only_its_product():
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_quadratic_matvec_is_A_v_for_flat_and_list_vectors(method):
-    A = symmetric(SPECTRUM)[0]
+def test_quadratic_matvec_is_A_v_for_flat_and_list_vectors(method, device):
+    A = symmetric(SPECTRUM)[0].to(device)
     H = quadratic_operator(A, method)
-    assert (H.num_parameters, H.dim, H.dtype, H.device) == (8, 8, A.dtype, torch.device("cpu"))
-    v = torch.randn(8, dtype=torch.float64)
+    assert (H.num_parameters, H.dim, H.dtype, H.device) == (8, 8, A.dtype, A.device)
+    v = torch.randn(8, dtype=torch.float64).to(device)
     torch.testing.assert_close(H.matvec(v), A @ v)
     torch.testing.assert_close(H @ v, A @ v)
     (hv,) = H.matvec([v])
@@ -111,23 +115,24 @@ def test_quadratic_matvec_is_A_v_for_flat_and_list_vectors(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_batches_are_weighted_by_size(method):
+def test_batches_are_weighted_by_size(method, device):
     """Batches of 1 and 3 examples scaling the loss by 1 and 2: H = (1/4 + 3/4 * 2) A."""
-    A = symmetric(SPECTRUM)[0]
-    batches = [(torch.zeros(1), torch.full((1,), 1.0)), (torch.zeros(3), torch.full((3,), 2.0))]
+    A = symmetric(SPECTRUM)[0].to(device)
+    batches = [(torch.zeros(n, device=device), torch.full((n,), c, device=device))
+               for n, c in ((1, 1.0), (3, 2.0))]  # fmt: skip
     H = HessianOperator(
         Quadratic(A, torch.randn(len(A), dtype=A.dtype)), scaled_loss, batches, method=method
     )
-    v = torch.randn(8, dtype=torch.float64)
+    v = torch.randn(8, dtype=torch.float64).to(device)
     torch.testing.assert_close(H @ v, 1.75 * (A @ v))
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_one_pair_is_one_batch_and_no_grad_around_the_operator_is_harmless(method):
+def test_one_pair_is_one_batch_and_no_grad_around_the_operator_is_harmless(method, device):
     """A bare (x, y) pair means [(x, y)]; an operator built and used inside torch.no_grad()
     (as in an evaluation loop) still differentiates."""
-    model, x, y = mlp()
-    v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    model, x, y = mlp(device=device)
+    v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64).to(device)
     expected = HessianOperator(model, F.cross_entropy, [(x, y)], method=method) @ v
     with torch.no_grad():
         H = HessianOperator(model, F.cross_entropy, (x, y), method=method)
@@ -137,20 +142,21 @@ def test_one_pair_is_one_batch_and_no_grad_around_the_operator_is_harmless(metho
     torch.testing.assert_close(hv, hessian_matrix(model, F.cross_entropy, (x, y)) @ v)
 
 
-def test_a_linear_loss_has_a_zero_hessian():
+def test_a_linear_loss_has_a_zero_hessian(device):
     """The kept gradient does not depend on the weights (no graph): H v = 0."""
-    model = nn.Linear(3, 1, bias=False).double()
-    x = torch.randn(5, 3, dtype=torch.float64)
+    model = nn.Linear(3, 1, bias=False).to(device, torch.float64)
+    x = torch.randn(5, 3, dtype=torch.float64).to(device)
     H = HessianOperator(model, lambda out, y: out.mean(), [(x, x)])
-    assert torch.equal(H @ torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
+    ones, zeros = (f(3, dtype=torch.float64, device=device) for f in (torch.ones, torch.zeros))
+    assert torch.equal(H @ ones, zeros)
 
 
 # --- small networks against their exact Hessian ---------------------------------------------
 
 
 @pytest.mark.parametrize("make", [mlp, cnn], ids=["mlp", "cnn"])
-def test_network_matvec_matches_exact_hessian_and_methods_agree(make):
-    model, x, y = make()
+def test_network_matvec_matches_exact_hessian_and_methods_agree(make, device):
+    model, x, y = make(device=device)
     model.train()
     state = copy.deepcopy(model.state_dict())
     batches = [(x[:10], y[:10]), (x[10:], y[10:])]  # uneven sizes
@@ -160,7 +166,7 @@ def test_network_matvec_matches_exact_hessian_and_methods_agree(make):
     torch.testing.assert_close(exact, one_batch)
     torch.testing.assert_close(exact, exact.T)
     gen = torch.Generator().manual_seed(0)
-    V = torch.randn(3, len(exact), generator=gen, dtype=torch.float64)
+    V = torch.randn(3, len(exact), generator=gen, dtype=torch.float64).to(device)
     for method in METHODS:
         H = HessianOperator(model, F.cross_entropy, batches, method=method)
         for v in V:
@@ -173,8 +179,8 @@ def test_network_matvec_matches_exact_hessian_and_methods_agree(make):
     torch.testing.assert_close(DenseOperator(exact) @ V[0], exact @ V[0])
 
 
-def test_mixed_modes_are_restored_and_params_select_a_block():
-    model, x, y = cnn()
+def test_mixed_modes_are_restored_and_params_select_a_block(device):
+    model, x, y = cnn(device=device)
     model.train()
     model[1].eval()
     last = list(model[6].parameters())
@@ -183,7 +189,7 @@ def test_mixed_modes_are_restored_and_params_select_a_block():
     exact = hessian_matrix(model, F.cross_entropy, [(x, y)])
     block = hessian_matrix(model, F.cross_entropy, [(x, y)], params=last)
     torch.testing.assert_close(block, exact[-39:, -39:])
-    v = torch.randn(39, dtype=torch.float64)
+    v = torch.randn(39, dtype=torch.float64).to(device)
     torch.testing.assert_close(H @ v, exact[-39:, -39:] @ v)
     H2 = HessianOperator(
         model, F.cross_entropy, [(x, y)], params=last, method="forward_over_reverse"
@@ -193,8 +199,8 @@ def test_mixed_modes_are_restored_and_params_select_a_block():
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_modes_and_hooks_are_restored_when_the_loss_raises(method):
-    model, x, y = cnn()
+def test_modes_and_hooks_are_restored_when_the_loss_raises(method, device):
+    model, x, y = cnn(device=device)
     model.train()
     model[1].eval()
 
@@ -206,19 +212,19 @@ def test_modes_and_hooks_are_restored_when_the_loss_raises(method):
             HessianOperator(model, failing, [(x, y)])
         else:
             HessianOperator(model, failing, [(x, y)], method=method) @ torch.zeros(
-                sum(p.numel() for p in model.parameters()), dtype=torch.float64
+                sum(p.numel() for p in model.parameters()), dtype=torch.float64, device=device
             )
     assert model.training and model[0].training and not model[1].training
     assert not any(m._forward_hooks for m in model.modules())
 
 
-def test_a_training_step_makes_a_kept_graph_stale_but_not_a_recomputed_one():
-    model, x, y = mlp()
+def test_a_training_step_makes_a_kept_graph_stale_but_not_a_recomputed_one(device):
+    model, x, y = mlp(device=device)
     H = HessianOperator(model, F.cross_entropy, [(x, y)])
     H_func = HessianOperator(model, F.cross_entropy, [(x, y)], method="forward_over_reverse")
     F.cross_entropy(model(x), y).backward()
     torch.optim.SGD(model.parameters(), lr=0.5).step()
-    v = torch.randn(H.num_parameters, dtype=torch.float64)
+    v = torch.randn(H.num_parameters, dtype=torch.float64).to(device)
     with pytest.raises(RuntimeError, match="build a new operator"):
         H @ v
     exact = hessian_matrix(model, F.cross_entropy, [(x, y)])
@@ -237,15 +243,16 @@ def test_a_training_step_makes_a_kept_graph_stale_but_not_a_recomputed_one():
     ],
     ids=["no-affine", "batch-statistics", "bn1d-on-sequences", "bn3d"],
 )
-def test_affine_batchnorm_keeps_the_exact_hessian(layers, shape):
+def test_affine_batchnorm_keeps_the_exact_hessian(layers, shape, device):
     torch.manual_seed(0)
-    model = nn.Sequential(*layers(), nn.Tanh(), nn.Linear(6, 3)).double()
+    model = nn.Sequential(*layers(), nn.Tanh(), nn.Linear(6, 3)).to(device, torch.float64)
     x, y = torch.randn(shape, dtype=torch.float64), torch.randint(3, (shape[0],))
+    x, y = x.to(device), y.to(device)
     with torch.no_grad():
         for _ in range(3):
             model(1.3 * x + 0.2)  # running statistics that differ from the batch's
     exact = hessian_matrix(model, F.cross_entropy, [(x, y)])
-    v = torch.randn(len(exact), dtype=torch.float64)
+    v = torch.randn(len(exact), dtype=torch.float64).to(device)
     for method in METHODS:
         H = HessianOperator(model, F.cross_entropy, [(x, y)], method=method)
         torch.testing.assert_close(H @ v, exact @ v)
@@ -253,8 +260,8 @@ def test_affine_batchnorm_keeps_the_exact_hessian(layers, shape):
     assert model.training
 
 
-def test_affine_batchnorm_is_the_evaluation_mode_function():
-    model, x, _ = cnn()
+def test_affine_batchnorm_is_the_evaluation_mode_function(device):
+    model, x, _ = cnn(device=device)
     model.eval()
     with torch.no_grad():
         expected = model(x)

@@ -7,9 +7,11 @@ import torch
 
 
 def stepped(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """``opt`` after one step on fixed random gradients (its state then exists)."""
+    """``opt`` after one step on fixed random gradients (drawn on the CPU, moved to each
+    parameter's device; its state then exists)."""
     for p in params:
-        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+        gen = torch.Generator().manual_seed(p.numel())
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
     opt.step()
     return opt
 

@@ -58,16 +58,17 @@ def test_messages_say_what_was_expected():
     assert optim.Adam(w, betas=[0.8, 0.9]).param_groups[0]["betas"] == (0.8, 0.9)
 
 
-def test_buffer_returns_one_list_created_once():
-    p, q = torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)
+def test_buffer_returns_one_list_created_once(device):
+    p, q = (torch.ones(n, device=device, requires_grad=True) for n in (2, 3))
     opt = Toy([p, q])
-    like = [torch.full((2,), 5.0), torch.full((3,), 6.0)]
+    like = [torch.full((2,), 5.0, device=device), torch.full((3,), 6.0, device=device)]
     first = opt.buffer([p, q], "b", like=like)
     assert [x.tolist() for x in first] == [[5.0] * 2, [6.0] * 3]
     like[0].zero_()  # a copy, not the tensor given
     again = opt.buffer([p, q], "b", fill=9.0)
     assert all(a is b for a, b in zip(first, again, strict=True))
-    assert opt.buffer([p], "c", fill=2.0)[0].tolist() == [2.0, 2.0]
+    c = opt.buffer([p], "c", fill=2.0)[0]
+    assert c.tolist() == [2.0, 2.0] and c.device == p.device  # state lives with its parameter
     assert opt.has_state([p, q], "b") and not opt.has_state([p, q], "c")
     assert opt.count_steps([p]) == [1] and opt.count_steps([p, q]) == [2, 1]
 

@@ -15,6 +15,8 @@ their option sets (the pattern of torch's ``common_optimizers.py``).
   skipped; ``step(closure)`` returns the closure's loss.
 
 A new optimizer joins by one entry in ``OPTIMIZERS``; the first test fails until it has.
+The tests that train run on every device of the ``device`` fixture (the model made on the
+CPU from its seed and moved there, the batches too); the bad-input tests stay on the CPU.
 """
 
 from __future__ import annotations
@@ -215,17 +217,18 @@ def test_every_optimizer_is_in_the_contract():
 # -- training --------------------------------------------------------------------------------
 
 
-def batch(t: int):
+def batch(t: int, device="cpu"):
     g = torch.Generator().manual_seed(1000 + t)
-    return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    return x.to(device), y.to(device)
 
 
 MODELS = weakref.WeakSet()  # the models of make_model, for KFAC, which takes its model
 
 
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    model = MLP(6, 3, hidden=12, depth=2)
+def make_model(seed=0, device="cpu"):
+    torch.manual_seed(seed)  # the same weights on every device: made on the CPU, then moved
+    model = MLP(6, 3, hidden=12, depth=2).to(device)
     MODELS.add(model)
     return model
 
@@ -244,8 +247,9 @@ def train(model, opt, steps):
     ``.grad``), then ``step(closure)`` (SAM needs both; the others recompute the same
     gradient in the closure; Newton's and HessianFree's closures return the loss's graph)."""
     make_closure = next(spec.closure for spec in OPTIMIZERS if type(opt) is spec.cls)
+    device = next(model.parameters()).device
     for t in steps:
-        closure = make_closure(model, opt, *batch(t))
+        closure = make_closure(model, opt, *batch(t, device))
         closure()
         opt.step(closure)
     return model, opt
@@ -279,21 +283,21 @@ STEPS = 8
 
 
 @pytest.mark.parametrize(("spec", "options"), CASES, ids=CASE_IDS)
-def test_foreach_false_equals_foreach_true(spec, options):
+def test_foreach_false_equals_foreach_true(spec, options, device):
     runs = []
     for foreach in (True, False):
-        model = make_model()
+        model = make_model(device=device)
         runs.append(train(model, spec.make(model.parameters(), **options, foreach=foreach),
                           range(STEPS)))  # fmt: skip
     assert_same_run(*runs)
 
 
 @pytest.mark.parametrize(("spec", "options"), CASES, ids=CASE_IDS)
-def test_resume_through_state_dict_is_exact(spec, options):
-    model = make_model()
+def test_resume_through_state_dict_is_exact(spec, options, device):
+    model = make_model(device=device)
     uninterrupted = train(model, spec.make(model.parameters(), **options), range(STEPS))
 
-    model = make_model()
+    model = make_model(device=device)
     opt = spec.make(model.parameters(), **options)
     train(model, opt, range(STEPS // 2))
     buffer = io.BytesIO()
@@ -302,7 +306,7 @@ def test_resume_through_state_dict_is_exact(spec, options):
     saved = torch.load(buffer)  # weights_only: the state is plain tensors and numbers
     del model, opt
 
-    model = make_model(seed=123)  # other weights, overwritten by the checkpoint
+    model = make_model(seed=123, device=device)  # other weights, overwritten by the checkpoint
     model.load_state_dict(saved["model"])
     opt = spec.make(model.parameters(), **{**options, "lr": 123.0})  # restored below
     opt.load_state_dict(saved["opt"])
@@ -311,9 +315,9 @@ def test_resume_through_state_dict_is_exact(spec, options):
 
 
 @pytest.mark.parametrize("spec", OPTIMIZERS, ids=str)
-def test_param_groups_keep_their_own_hyperparameters(spec):
+def test_param_groups_keep_their_own_hyperparameters(spec, device):
     full, plain = spec.options[-1], spec.options[0]
-    model = make_model()
+    model = make_model(device=device)
     params = list(model.parameters())
     frozen = {**plain, "lr": 0.0}  # this group must not move
     groups = [dict(params=params[:2], **full), dict(params=params[2:4], **frozen),
@@ -330,12 +334,12 @@ def test_param_groups_keep_their_own_hyperparameters(spec):
         return
     # a group's update depends on its own hyperparameters and parameters only: the same as
     # one optimizer per group
-    alone = make_model()
+    alone = make_model(device=device)
     parts = list(alone.parameters())
     opts = [spec.make(parts[:2], **full), spec.make(parts[2:4], **frozen),
             spec.make(parts[4:], **plain)]  # fmt: skip
     for t in range(3):
-        x, y = batch(t)
+        x, y = batch(t, device)
         for o in opts:
             o.zero_grad()
         F.cross_entropy(alone(x), y).backward()
@@ -452,10 +456,10 @@ def test_complex_parameters_are_refused(spec):
 
 
 @pytest.mark.parametrize(("spec", "options"), CASES, ids=CASE_IDS)
-def test_step_returns_the_closures_loss(spec, options):
-    model = make_model()
+def test_step_returns_the_closures_loss(spec, options, device):
+    model = make_model(device=device)
     opt = spec.make(model.parameters(), **options)
-    inner = spec.closure(model, opt, *batch(0))
+    inner = spec.closure(model, opt, *batch(0, device))
     losses = []
 
     def closure():
@@ -470,15 +474,15 @@ def test_step_returns_the_closures_loss(spec, options):
 
 
 @pytest.mark.parametrize(("spec", "options"), CASES, ids=CASE_IDS)
-def test_parameters_without_gradient_are_skipped(spec, options):
-    model = make_model()
-    unused = torch.nn.Parameter(torch.ones(4))  # in the optimizer, never in the loss
+def test_parameters_without_gradient_are_skipped(spec, options, device):
+    model = make_model(device=device)
+    unused = torch.nn.Parameter(torch.ones(4, device=device))  # in the optimizer, not the loss
     frozen = model.net[1].bias  # a layer frozen for the whole run
     frozen.requires_grad_(False)
     before = frozen.detach().clone()
     opt = spec.make([*model.parameters(), unused], **options)
     train(model, opt, range(3))
-    assert torch.equal(unused, torch.ones(4)) and torch.equal(frozen, before)
+    assert torch.equal(unused, torch.ones(4, device=device)) and torch.equal(frozen, before)
     assert unused not in opt.state and frozen not in opt.state
     trained = [p for p in model.parameters() if p.requires_grad]
     with_state = [p for p in trained if opt.state.get(p)]

@@ -2,7 +2,10 @@
 J^T H J, CG solving (G + lambda I) delta = -g to its tolerance inside a step, the budget and
 the warm start, Levenberg-Marquardt damping on constructed good and bad steps, and Newton
 and HF against gradient descent in iterations to a target loss (measured). The optimizer
-contract (foreach, exact resume, groups, bad hyperparameters) is in test_contract.py."""
+contract (foreach, exact resume, groups, bad hyperparameters) is in test_contract.py. The
+tests of a step run on every device of the ``device`` fixture (models and data made on the
+CPU from their seeds, then moved); the race to a target loss and the refusals stay on the
+CPU."""
 
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ from lsdl_lab.models import MLP
 from lsdl_lab.optim.hessian_free import LossGGN
 
 
-def classifier():
+def classifier(device="cpu"):
     torch.manual_seed(0)
     model = MLP(5, 3, hidden=6, depth=1).double()
     x, y = torch.randn(24, 5, dtype=torch.float64), torch.randint(0, 3, (24,))
+    model, x, y = model.to(device), x.to(device), y.to(device)
 
     def closure():
         out = model(x)
@@ -32,15 +36,15 @@ def classifier():
     return model, x, y, closure
 
 
-def test_gauss_newton_products_equal_ggn_operator_and_dense_jthj():
-    model, x, y, closure = classifier()
+def test_gauss_newton_products_equal_ggn_operator_and_dense_jthj(device):
+    model, x, y, closure = classifier(device)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     loss, out = closure()
-    G = LossGGN(loss, out, params, torch.full((n,), 0.5, dtype=torch.float64))
-    dense = torch.stack([G.ggn(e) for e in torch.eye(n, dtype=torch.float64)])
+    eye = torch.eye(n, dtype=torch.float64, device=device)
+    G = LossGGN(loss, out, params, torch.full((n,), 0.5, dtype=torch.float64, device=device))
+    dense = torch.stack([G.ggn(e) for e in eye])
     reference = curvature.GGNOperator(model, F.cross_entropy, [(x, y)])
-    eye = torch.eye(n, dtype=torch.float64)
     torch.testing.assert_close(dense, torch.stack([reference @ e for e in eye]))
     # and J^T H_l J from the Jacobian and the loss's Hessian in the outputs, formed densely
     names = [name for name, _ in model.named_parameters()]
@@ -55,12 +59,12 @@ def test_gauss_newton_products_equal_ggn_operator_and_dense_jthj():
     f = out.detach().flatten()
     H_l = torch.func.hessian(lambda f: F.cross_entropy(f.view(24, 3), y))(f)
     torch.testing.assert_close(dense, J.T @ H_l @ J)
-    v = torch.randn(n, dtype=torch.float64)
+    v = torch.randn(n, dtype=torch.float64).to(device)
     torch.testing.assert_close(G @ v, J.T @ H_l @ J @ v + 0.5 * v)
 
 
-def test_cg_inside_a_step_solves_the_damped_system_to_its_tolerance():
-    model, x, y, closure = classifier()
+def test_cg_inside_a_step_solves_the_damped_system_to_its_tolerance(device):
+    model, x, y, closure = classifier(device)
     params = list(model.parameters())
     loss = F.cross_entropy(model(x), y)
     g = torch.cat([t.flatten() for t in torch.autograd.grad(loss, params)])
@@ -72,15 +76,15 @@ def test_cg_inside_a_step_solves_the_damped_system_to_its_tolerance():
     residual = G @ delta + 0.1 * delta + g  # (G + lambda I) delta - (-g), at the old weights
     assert opt.last["cg"].converged and residual.norm() <= 2e-9 * g.norm()
     # the budget: 2 products leave the residual far above the tolerance
-    model, x, y, closure = classifier()
+    model, x, y, closure = classifier(device)
     opt = optim.HessianFree(model.parameters(), damping=0.1, cg_iters=2, cg_tol=1e-9)
     opt.step(closure)
     info = opt.last["cg"]
     assert info.iterations == 2 and not info.converged and info.residual_norms[-1] > 1e-3
 
 
-def test_cg_starts_from_the_decayed_previous_solution():
-    model, x, y, closure = classifier()
+def test_cg_starts_from_the_decayed_previous_solution(device):
+    model, x, y, closure = classifier(device)
     params = list(model.parameters())
     opt = optim.HessianFree(model.parameters(), damping=0.5, cg_iters=5, adapt_damping=False)
     opt.step(closure)
@@ -93,7 +97,7 @@ def test_cg_starts_from_the_decayed_previous_solution():
     opt.step(closure)
     assert opt.last["cg"].residual_norms[0] == pytest.approx(expected, rel=1e-10)
     # warm_start_decay=0: CG starts from zero, where the residual is the gradient
-    model, x, y, closure = classifier()
+    model, x, y, closure = classifier(device)
     cold = optim.HessianFree(model.parameters(), damping=0.5, cg_iters=5, warm_start_decay=0.0)
     cold.step(closure)
     loss = F.cross_entropy(model(x), y)
@@ -102,10 +106,10 @@ def test_cg_starts_from_the_decayed_previous_solution():
     assert cold.last["cg"].residual_norms[0] == pytest.approx(g.norm().item(), rel=1e-12)
 
 
-def sine_problem(target: float, damping: float):
+def sine_problem(target: float, damping: float, device="cpu"):
     """f(w) = 1/2 (sin w - target)^2 from w = 0: the Gauss-Newton model (cos^2 w = 1) is exact
     at first order, and wrong when the step is long (sin bends)."""
-    w = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    w = nn.Parameter(torch.zeros(1, dtype=torch.float64, device=device))
 
     def closure():
         out = torch.sin(w)
@@ -116,9 +120,9 @@ def sine_problem(target: float, damping: float):
 
 
 @pytest.mark.parametrize(("target", "factor"), [(0.5, 2 / 3), (3.0, 3 / 2)], ids=["good", "bad"])
-def test_levenberg_marquardt_damping_follows_the_reduction_ratio(target, factor):
+def test_levenberg_marquardt_damping_follows_the_reduction_ratio(target, factor, device):
     lam = 1e-3
-    w, opt, closure = sine_problem(target, lam)
+    w, opt, closure = sine_problem(target, lam, device)
     opt.step(closure)
     delta = target / (1 + lam)  # (G + lambda) delta = -g with g = -target, G = 1
     predicted = -target * delta + delta**2 / 2  # q(delta) - q(0), undamped
@@ -130,11 +134,11 @@ def test_levenberg_marquardt_damping_follows_the_reduction_ratio(target, factor)
     assert w.item() == pytest.approx(delta)  # without a line search the step is taken
 
 
-def test_the_line_search_backs_off_a_step_that_raises_the_loss():
+def test_the_line_search_backs_off_a_step_that_raises_the_loss(device):
     # target 4: the Gauss-Newton step w = 4 lands where sin w < 0, a higher loss; half of it
     # (w = 2) decreases the loss enough; rho measures that half step against the model
     lam = 1e-3
-    w, opt, closure = sine_problem(4.0, lam)
+    w, opt, closure = sine_problem(4.0, lam, device)
     opt.param_groups[0]["line_search"] = True
     opt.step(closure)
     step = 0.5 * 4.0 / (1 + lam)
@@ -145,13 +149,14 @@ def test_the_line_search_backs_off_a_step_that_raises_the_loss():
     assert 1 / 4 < opt.last["rho"] < 3 / 4 and opt.param_groups[0]["damping"] == lam
 
 
-def two_sines(lrs: tuple[float, float], backtracking: bool, lam: float = 1e-3):
+def two_sines(lrs: tuple[float, float], backtracking: bool, lam: float = 1e-3, device="cpu"):
     """f(w) = 1/2 sum_i c_i (sin w_i - t_i)^2 from w = 0, c = (10, 1), t = (0.5, 4), each w_i
     a parameter in its own group with learning rate lrs[i]. At w = 0 the Gauss-Newton matrix
     is diag(c), so CG ends in two iterations, at the Gauss-Newton step w = t, where sin 4 < 0:
     a higher loss than at w = 0. CG's first iterate, a shorter step along -g, is better."""
-    w = [nn.Parameter(torch.zeros(1, dtype=torch.float64)) for _ in range(2)]
+    w = [nn.Parameter(torch.zeros(1, dtype=torch.float64, device=device)) for _ in range(2)]
     c, t = torch.tensor([10.0, 1.0], dtype=torch.float64), torch.tensor([0.5, 4.0]).double()
+    c, t = c.to(device), t.to(device)
 
     def f(z):
         return 0.5 * (c * (torch.sin(z) - t) ** 2).sum()
@@ -171,12 +176,12 @@ def two_sines(lrs: tuple[float, float], backtracking: bool, lam: float = 1e-3):
 
 
 @pytest.mark.parametrize("lrs", [(1.0, 1.0), (1.0, 0.5)], ids=["one-lr", "two-lrs"])
-def test_cg_backtracking_takes_the_best_kept_iterate_on_the_loss(lrs):
+def test_cg_backtracking_takes_the_best_kept_iterate_on_the_loss(lrs, device):
     # Martens (2010), Sec. 4.6: from the last CG iterate back while the loss decreases
-    w, opt, closure, f, c, t, (x1, x2) = two_sines(lrs, backtracking=True)
-    eta = torch.tensor(lrs, dtype=torch.float64)
+    w, opt, closure, f, c, t, (x1, x2) = two_sines(lrs, backtracking=True, device=device)
+    eta = torch.tensor(lrs, dtype=torch.float64, device=device)
     d1, d2 = eta * x1, eta * x2
-    f0, f1, f2 = f(torch.zeros(2, dtype=torch.float64)), f(d1), f(d2)
+    f0, f1, f2 = f(torch.zeros(2, dtype=torch.float64, device=device)), f(d1), f(d2)
     opt.step(closure)
     assert [it.k for it in opt.last["cg"].iterates] == [1, 2]
     # one learning rate: the last iterate overshoots (f2 > f0) and the first is taken;
@@ -193,7 +198,7 @@ def test_cg_backtracking_takes_the_best_kept_iterate_on_the_loss(lrs):
     direction = torch.cat([opt.state[p]["direction"] for p in w])
     torch.testing.assert_close(direction, x2, rtol=1e-12, atol=1e-14)
     # without backtracking: the last iterate, whatever the loss there
-    w, opt, closure, *_ = two_sines(lrs, backtracking=False)
+    w, opt, closure, *_ = two_sines(lrs, backtracking=False, device=device)
     opt.step(closure)
     assert opt.last["iteration"] == 2
     torch.testing.assert_close(torch.cat(w).detach(), d2, rtol=1e-12, atol=1e-14)
@@ -225,8 +230,8 @@ def test_a_model_whose_vectors_do_not_fit_is_refused_with_the_reason():
     assert len(first.param_groups) == 1
 
 
-def test_resume_restores_the_adapted_damping_and_the_direction():
-    model, x, y, closure = classifier()
+def test_resume_restores_the_adapted_damping_and_the_direction(device):
+    model, x, y, closure = classifier(device)
     opt = optim.HessianFree(model.parameters(), damping=1.0, cg_iters=5)
     for _ in range(3):
         opt.step(closure)
@@ -238,7 +243,7 @@ def test_resume_restores_the_adapted_damping_and_the_direction():
     for _ in range(3):
         opt.step(closure)  # the uninterrupted run
 
-    resumed, x, y, resumed_closure = classifier()  # the same data; weights loaded below
+    resumed, x, y, resumed_closure = classifier(device)  # the same data; weights loaded below
     resumed.load_state_dict(saved["model"])
     again = optim.HessianFree(resumed.parameters(), damping=7.0, cg_iters=5)
     again.load_state_dict(saved["opt"])

@@ -3,7 +3,10 @@ preconditioned gradient is the dense (G ⊗ A + λI)^{-1} g; the Kronecker facto
 curvlinops' ``KFACLinearOperator`` (empirical Fisher, and the Fisher of sampled labels) on
 an MLP and a small CNN in float64; KL-clipping's factor; the first-order fallback; exact
 resume with sampled labels; clear errors. The contract (foreach, resume, groups) is in
-test_contract.py."""
+test_contract.py. The tests of a step run on every device of the ``device`` fixture (models
+and data made on the CPU from their seeds, then moved; curvlinops' reference factors are
+computed on the CPU); the race, the average over 200 draws and the refusals stay on the
+CPU."""
 
 from __future__ import annotations
 
@@ -32,19 +35,21 @@ def one_step(model, x, y, **kw):
     return opt
 
 
-def test_preconditioned_gradient_on_one_linear_layer_equals_the_dense_solve():
+def test_preconditioned_gradient_on_one_linear_layer_equals_the_dense_solve(device):
     torch.manual_seed(0)
     layer = nn.Linear(5, 3).double()
     x, y = torch.randn(32, 5, dtype=torch.float64), torch.randint(0, 3, (32,))
+    layer, x, y = layer.to(device), x.to(device), y.to(device)
     damping = 0.05
     # independently: the per-example output gradients of softmax cross-entropy, p - onehot
     logits = layer(x).detach()
     g = logits.softmax(-1) - F.one_hot(y, 3).double()
-    a = torch.cat([x, torch.ones(32, 1, dtype=torch.float64)], 1)
+    a = torch.cat([x, torch.ones(32, 1, dtype=torch.float64, device=device)], 1)
     A, G = a.T @ a / 32, g.T @ g / 32
     M = torch.cat([g.T @ x / 32, g.mean(0)[:, None]], 1)  # [dW, db], the mean loss's gradient
     # vec row by row of the (out, in + 1) matrix: the Fisher block is G ⊗ A
-    dense = torch.linalg.solve(torch.kron(G, A) + damping * torch.eye(18).double(), M.reshape(-1))
+    eye = torch.eye(18, dtype=torch.float64, device=device)
+    dense = torch.linalg.solve(torch.kron(G, A) + damping * eye, M.reshape(-1))
     dense = dense.reshape(3, 6)
     w0, b0 = layer.weight.detach().clone(), layer.bias.detach().clone()
     one_step(layer, x, y, fisher="empirical", damping=damping)
@@ -54,12 +59,15 @@ def test_preconditioned_gradient_on_one_linear_layer_equals_the_dense_solve():
     torch.testing.assert_close(layer.bias.detach(), b0 - dense[:, 5])
 
 
-def models():
-    torch.manual_seed(1)
+def models(device="cpu"):
+    torch.manual_seed(1)  # the same weights on every device: made on the CPU, then moved
     mlp = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
     cnn = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, stride=2), nn.ReLU(), nn.Flatten(),
                         nn.Linear(3 * 3 * 3, 4))  # fmt: skip
-    return [(mlp.double(), (24, 6)), (cnn.double(), (24, 2, 5, 5))]
+    return [
+        (mlp.to(device, torch.float64), (24, 6)),
+        (cnn.to(device, torch.float64), (24, 2, 5, 5)),
+    ]
 
 
 def curvlinops_factors(model, x, y, fisher_type):
@@ -76,18 +84,19 @@ def kfac_layers(model):
     return [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
 
 
-def data(shape):
+def data(shape, device="cpu"):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    return x, torch.randint(0, 4, (shape[0],), generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 4, (shape[0],), generator=torch.Generator().manual_seed(3))
+    return x.to(device), y.to(device)
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["mlp", "cnn"])
 @pytest.mark.parametrize("fisher", ["empirical", "true"])
-def test_factors_equal_curvlinops_kfac(which, fisher):
-    model, shape = models()[which]
-    reference = models()[which][0]  # the same weights, never stepped
+def test_factors_equal_curvlinops_kfac(which, fisher, device):
+    model, shape = models(device)[which]
+    reference = models()[which][0]  # the same weights, never stepped, on the CPU
     x, y = data(shape)
-    opt = one_step(model, x, y, fisher=fisher)
+    opt = one_step(model, x.to(device), y.to(device), fisher=fisher)
     if fisher == "true":
         # the true Fisher's G is the empirical formula on labels drawn from the model: the
         # labels KFAC drew (its stream for seed 0, step 0), given to curvlinops' EMPIRICAL
@@ -97,8 +106,8 @@ def test_factors_equal_curvlinops_kfac(which, fisher):
     names = kfac_layers(reference)
     assert A.keys() == G.keys() == set(names) and len(opt.layers) == len(names)
     for weight, name in zip(opt.layers, names):
-        torch.testing.assert_close(opt.state[weight]["A"], A[name])
-        torch.testing.assert_close(opt.state[weight]["G"], G[name])
+        torch.testing.assert_close(opt.state[weight]["A"].cpu(), A[name])
+        torch.testing.assert_close(opt.state[weight]["G"].cpu(), G[name])
     if fisher == "true":
         return
     # and the step is the dense damped solve with curvlinops' factors (for a convolution,
@@ -110,8 +119,8 @@ def test_factors_equal_curvlinops_kfac(which, fisher):
         M = torch.cat([w.grad.reshape(len(w), -1), b.grad[:, None]], 1)
         K = torch.kron(G[name], A[name]) + 1e-3 * torch.eye(M.numel(), dtype=M.dtype)
         dense = torch.linalg.solve(K, M.reshape(-1)).reshape(M.shape)
-        torch.testing.assert_close(weight.grad.reshape(len(w), -1), dense[:, :-1])
-        torch.testing.assert_close(opt.layers[weight].module.bias.grad, dense[:, -1])
+        torch.testing.assert_close(weight.grad.reshape(len(w), -1).cpu(), dense[:, :-1])
+        torch.testing.assert_close(opt.layers[weight].module.bias.grad.cpu(), dense[:, -1])
 
 
 class SequenceModel(nn.Module):
@@ -126,7 +135,7 @@ class SequenceModel(nn.Module):
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "true"])
-def test_a_sequence_models_factors_count_every_token_as_a_term_of_the_loss(fisher):
+def test_a_sequence_models_factors_count_every_token_as_a_term_of_the_loss(fisher, device):
     # The loss of a language model is a mean over B*T tokens. K-FAC on (B, T, H) inputs
     # must give the factors of the same tokens seen as B*T examples of (N, H) inputs;
     # normalizing by the batch dimension B instead would leave G off by T^2.
@@ -134,6 +143,7 @@ def test_a_sequence_models_factors_count_every_token_as_a_term_of_the_loss(fishe
     net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4)).double()
     x = torch.randn(3, 6, 5, dtype=torch.float64)
     y = torch.randint(0, 4, (3, 6))
+    net, x, y = net.to(device), x.to(device), y.to(device)
     seq, flat = SequenceModel(net), SequenceModel(copy.deepcopy(net))
 
     def factors(model, inputs, targets):
@@ -169,12 +179,12 @@ def test_true_fisher_factors_average_to_the_exact_expectation():
         assert error < 0.1, (name, error)
 
 
-def test_kl_clipping_scales_the_step_by_nu():
-    model, shape = models()[0]
-    x, y = data(shape)
+def test_kl_clipping_scales_the_step_by_nu(device):
+    model, shape = models(device)[0]
+    x, y = data(shape, device)
     one_step(model, x, y, fisher="empirical")  # unclipped: the preconditioned gradients
     V = [p.grad.clone() for p in model.parameters()]
-    clipped_model = models()[0][0]
+    clipped_model = models(device)[0][0]
     opt = KFAC(clipped_model, lr=0.5, momentum=0.0, kl_clip=1e-4, fisher="empirical", seed=0)
     loss = F.cross_entropy(clipped_model(x), y)
     loss.backward()
@@ -187,10 +197,11 @@ def test_kl_clipping_scales_the_step_by_nu():
         torch.testing.assert_close(p.grad, nu * v)
 
 
-def test_other_layers_take_sgd_with_momentum_on_their_plain_gradient():
+def test_other_layers_take_sgd_with_momentum_on_their_plain_gradient(device):
     torch.manual_seed(4)
-    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3)).double()
-    x, y = data((16, 4))
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    model = model.to(device, torch.float64)
+    x, y = data((16, 4), device)
     y = y % 3
     opt = KFAC(model, lr=0.1, momentum=0.5, weight_decay=0.01, fisher="empirical", seed=0)
     assert {id(w) for w in opt.layers} == {id(model[0].weight), id(model[2].weight)}
@@ -208,18 +219,18 @@ def test_other_layers_take_sgd_with_momentum_on_their_plain_gradient():
             torch.testing.assert_close(p.detach(), w - 0.1 * b)
 
 
-def test_a_frozen_bias_leaves_the_weight_preconditioned_alone():
+def test_a_frozen_bias_leaves_the_weight_preconditioned_alone(device):
     torch.manual_seed(5)
-    layer = nn.Linear(3, 2).double()
+    layer = nn.Linear(3, 2).to(device, torch.float64)
     layer.bias.requires_grad_(False)
-    x, y = data((8, 3))
+    x, y = data((8, 3), device)
     opt = one_step(layer, x, y % 2, fisher="empirical")
     assert opt.state[layer.weight]["A"].shape == (3, 3)  # no homogeneous coordinate
     assert layer.bias not in opt.state
 
 
-def test_true_fisher_resumes_exactly_through_state_dict():
-    x, y = data((24, 6))
+def test_true_fisher_resumes_exactly_through_state_dict(device):
+    x, y = data((24, 6), device)
 
     def train(model, opt, steps):
         for t in steps:
@@ -228,16 +239,17 @@ def test_true_fisher_resumes_exactly_through_state_dict():
             opt.step()
 
     kw = dict(lr=0.1, damping=0.1, update_freq=3, fisher="true")
-    model = models()[0][0]
+    model = models(device)[0][0]
     train(model, KFAC(model, **kw, seed=7), range(8))
-    model_b = models()[0][0]
+    model_b = models(device)[0][0]
     opt_b = KFAC(model_b, **kw, seed=7)
     train(model_b, opt_b, range(4))
     buffer = io.BytesIO()
     torch.save(dict(model=model_b.state_dict(), opt=opt_b.state_dict()), buffer)
     buffer.seek(0)
     saved = torch.load(buffer)
-    model_c = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    model_c = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    model_c = model_c.to(device, torch.float64)
     model_c.load_state_dict(saved["model"])
     opt_c = KFAC(model_c, **kw)  # another seed, restored from the state
     opt_c.load_state_dict(saved["opt"])

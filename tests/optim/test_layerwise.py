@@ -26,8 +26,8 @@ from lsdl_lab.optim import param_groups_for_layerwise, trust_ratio
     eps=st.sampled_from([0.0, 1e-8]),
     clamp=st.sampled_from([None, (0.5, 2.0), (0.0, math.inf)]),
 )  # fmt: skip
-def test_trust_ratio_is_its_formula_tensor_by_tensor(seed, eta, lam, eps, clamp):
-    w, u = tensors(seed), tensors(seed + 1)
+def test_trust_ratio_is_its_formula_tensor_by_tensor(seed, eta, lam, eps, clamp, device):
+    w, u = tensors(seed, device=device), tensors(seed + 1, device=device)
     got = trust_ratio(w, u, clamp, trust_coefficient=eta, weight_decay=lam, eps=eps)
     assert isinstance(got, list) and all(isinstance(x, float) for x in got)
     for wi, ui, tau in zip(w, u, got, strict=True):
@@ -36,15 +36,15 @@ def test_trust_ratio_is_its_formula_tensor_by_tensor(seed, eta, lam, eps, clamp)
         assert tau == pytest.approx(expected, rel=1e-12)
 
 
-def test_zero_weights_or_a_zero_step_give_one():
-    zero, ones = torch.zeros(3, 3), torch.ones(3, 3)
+def test_zero_weights_or_a_zero_step_give_one(device):
+    zero, ones = torch.zeros(3, 3, device=device), torch.ones(3, 3, device=device)
     assert trust_ratio([zero, ones, zero], [ones, zero, zero], (0.5, 2.0)) == [1.0, 1.0, 1.0]
     # LARS's denominator ||g|| + lam ||w||: zero only when both are
     assert trust_ratio([ones], [zero], weight_decay=0.1) == [pytest.approx(1 / 0.1)]
 
 
-def test_lab04b_checker_and_lars_use_the_same_trust_ratio():
-    w, u = tensors(0), tensors(1)
+def test_lab04b_checker_and_lars_use_the_same_trust_ratio(device):
+    w, u = tensors(0, device=device), tensors(1, device=device)
     for clamp in (None, (0.5, 2.0)):
         assert [lab04b.trust_ratio(a, b, clamp) for a, b in zip(w, u)] == trust_ratio(w, u, clamp)
     # LARS's first step without momentum is -lr tau g, with tau this function's
@@ -89,21 +89,21 @@ def test_param_groups_for_layerwise_from_pairs_or_a_list():
 
 
 @pytest.mark.parametrize("name", ["LARS", "LAMB"])
-def test_resume_with_named_layerwise_groups_is_exact(name):
+def test_resume_with_named_layerwise_groups_is_exact(name, device):
     kw = dict(lr=2.0, nesterov=True) if name == "LARS" else dict(lr=1e-2, clamp=(0.0, 10.0))
 
     def make(model):
         return getattr(optim, name)(param_groups_for_layerwise(model, 1e-3), **kw)
 
-    model = make_model()
+    model = make_model(device=device)
     straight = train(model, make(model), steps=range(20))
-    model = make_model()
+    model = make_model(device=device)
     opt = train(model, make(model), steps=range(10))[1]
     buffer = io.BytesIO()
     torch.save(dict(model=model.state_dict(), opt=opt.state_dict()), buffer)
     buffer.seek(0)
     saved = torch.load(buffer)
-    model = make_model()
+    model = make_model(device=device)
     model.load_state_dict(saved["model"])
     opt = make(model)
     opt.load_state_dict(saved["opt"])

@@ -2,7 +2,8 @@
 indefinite cases (an added multiple of the identity; steepest descent at negative curvature),
 the Armijo line search, and the refusals (a model too large, a closure that calls backward).
 The optimizer contract (foreach, exact resume, groups, bad hyperparameters) is in
-test_contract.py; the race against gradient descent in test_hessian_free.py."""
+test_contract.py; the race against gradient descent in test_hessian_free.py. The tests that
+step run on every device of the ``device`` fixture (matrices made on the CPU, then moved)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from lsdl_lab.optim.second_order import backtracking_line_search
 
 
 def quadratic(A: torch.Tensor, b: torch.Tensor):
-    """f(w) = 1/2 w^T A w - b^T w on a parameter w (float64), and its closure."""
-    w = nn.Parameter(torch.zeros(len(b), dtype=torch.float64))
+    """f(w) = 1/2 w^T A w - b^T w on a parameter w (float64, on b's device), and its closure."""
+    w = nn.Parameter(torch.zeros(len(b), dtype=torch.float64, device=b.device))
     return w, lambda: 0.5 * w @ A @ w - b @ w
 
 
@@ -30,8 +31,9 @@ def spd(n: int, seed: int, low: float = 0.1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("method", ["exact", "cg"])
-def test_one_step_on_a_quadratic_lands_on_the_minimum(method):
+def test_one_step_on_a_quadratic_lands_on_the_minimum(method, device):
     A, b = spd(12, 0), torch.randn(12, generator=torch.Generator().manual_seed(1)).double()
+    A, b = A.to(device), b.to(device)
     w, f = quadratic(A, b)
     opt = optim.Newton([w], method=method, cg_iters=12, cg_tol=1e-14)
     loss = opt.step(f)
@@ -41,17 +43,17 @@ def test_one_step_on_a_quadratic_lands_on_the_minimum(method):
     assert (A @ w.detach() - b).norm() < 1e-11 * b.norm()  # the gradient vanishes
 
 
-def test_damping_gives_the_damped_step_and_lr_scales_it():
-    A, b = spd(8, 2), torch.ones(8, dtype=torch.float64)
+def test_damping_gives_the_damped_step_and_lr_scales_it(device):
+    A, b = spd(8, 2).to(device), torch.ones(8, dtype=torch.float64, device=device)
     w, f = quadratic(A, b)
     optim.Newton([w], lr=0.5, damping=0.3).step(f)
-    expected = 0.5 * torch.linalg.solve(A + 0.3 * torch.eye(8, dtype=torch.float64), b)
+    expected = 0.5 * torch.linalg.solve(A + 0.3 * torch.eye(8).to(A), b)
     torch.testing.assert_close(w.detach(), expected, rtol=1e-12, atol=1e-14)
 
 
-def test_groups_solve_one_system_with_their_own_damping_and_lr():
-    A, b = spd(6, 3), torch.arange(1.0, 7.0, dtype=torch.float64)
-    w, u = (nn.Parameter(torch.zeros(3, dtype=torch.float64)) for _ in range(2))
+def test_groups_solve_one_system_with_their_own_damping_and_lr(device):
+    A, b = spd(6, 3).to(device), torch.arange(1.0, 7.0, dtype=torch.float64, device=device)
+    w, u = (nn.Parameter(torch.zeros(3, dtype=torch.float64, device=device)) for _ in range(2))
 
     def f():
         z = torch.cat([w, u])
@@ -59,33 +61,35 @@ def test_groups_solve_one_system_with_their_own_damping_and_lr():
 
     opt = optim.Newton([dict(params=[w], damping=1.0, lr=0.5), dict(params=[u])], damping=0.1)
     opt.step(f)
-    Lam = torch.diag(torch.tensor([1.0] * 3 + [0.1] * 3, dtype=torch.float64))
+    Lam = torch.diag(torch.tensor([1.0] * 3 + [0.1] * 3, dtype=torch.float64, device=device))
     d = torch.linalg.solve(A + Lam, b)
     torch.testing.assert_close(torch.cat([w, u]).detach(), torch.cat([0.5 * d[:3], d[3:]]))
     with pytest.raises(ValueError, match=r"Invalid method: 'cg' \(expected 'exact', as in"):
         opt.add_param_group(dict(params=[nn.Parameter(torch.zeros(1))], method="cg"))
 
 
-def test_the_hessian_is_curvature_hessian_matrix():
+def test_the_hessian_is_curvature_hessian_matrix(device):
     torch.manual_seed(0)
     model = MLP(5, 3, hidden=6, depth=1).double()
     x, y = torch.randn(20, 5, dtype=torch.float64), torch.randint(0, 3, (20,))
+    model, x, y = model.to(device), x.to(device), y.to(device)
     params = list(model.parameters())
     grads = torch.autograd.grad(F.cross_entropy(model(x), y), params, create_graph=True)
     n = sum(p.numel() for p in params)
-    damping = torch.full((n,), 0.25, dtype=torch.float64)
+    damping = torch.full((n,), 0.25, dtype=torch.float64, device=device)
     H = LossHessian(list(grads), params, damping)
     reference = curvature.hessian_matrix(model, F.cross_entropy, [(x, y)])
-    torch.testing.assert_close(H.matrix(chunk=7), reference + 0.25 * torch.eye(n).double())
-    v = torch.randn(n, dtype=torch.float64)
+    eye = torch.eye(n, dtype=torch.float64, device=device)
+    torch.testing.assert_close(H.matrix(chunk=7), reference + 0.25 * eye)
+    v = torch.randn(n, dtype=torch.float64).to(device)
     torch.testing.assert_close(H @ v, reference @ v + 0.25 * v)
 
 
-def test_an_indefinite_hessian_gets_a_multiple_of_the_identity():
+def test_an_indefinite_hessian_gets_a_multiple_of_the_identity(device):
     # f = 1/2 w^T A w - b^T w with eigenvalues -1 and 2: the pure Newton step goes to the
     # saddle; Nocedal & Wright's Alg. 3.3 adds tau I until Cholesky succeeds
-    A = torch.diag(torch.tensor([-1.0, 2.0], dtype=torch.float64))
-    b = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    A = torch.diag(torch.tensor([-1.0, 2.0], dtype=torch.float64, device=device))
+    b = torch.tensor([1.0, 1.0], dtype=torch.float64, device=device)
     w, f = quadratic(A, b)
     optim.Newton([w]).step(f)
     d = w.detach()
@@ -98,9 +102,9 @@ def test_an_indefinite_hessian_gets_a_multiple_of_the_identity():
     assert f().item() < 0.0
 
 
-def test_cg_at_negative_curvature_takes_steepest_descent():
-    A = -torch.eye(3, dtype=torch.float64)  # concave: CG meets negative curvature at once
-    b = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+def test_cg_at_negative_curvature_takes_steepest_descent(device):
+    A = -torch.eye(3, dtype=torch.float64, device=device)  # concave: negative curvature at once
+    b = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64, device=device)
     w, f = quadratic(A, b)
     optim.Newton([w], lr=0.1, method="cg").step(f)
     torch.testing.assert_close(w.detach(), 0.1 * b)  # -lr g, g = -b
@@ -119,10 +123,10 @@ def test_armijo_backtracking_takes_the_first_sufficient_step():
     assert backtracking_line_search(lambda a: 1.0 + a, 1.0, 1.0, max_backtracks=3) == (0.0, 1.0)
 
 
-def test_the_line_search_stops_an_overshooting_newton_step():
+def test_the_line_search_stops_an_overshooting_newton_step(device):
     # f(w) = sqrt(1 + w^2): Newton's step from w = 2 jumps to -8 (pure Newton diverges
     # here); the line search halves it until the loss decreases enough
-    w = nn.Parameter(torch.tensor([2.0], dtype=torch.float64))
+    w = nn.Parameter(torch.tensor([2.0], dtype=torch.float64, device=device))
 
     def f():
         return torch.sqrt(1 + w @ w)

@@ -3,7 +3,9 @@
 Equal to its base optimizer bit for bit when rho = 0; the perturbation has global norm rho
 exactly; on a quadratic the step uses the gradient at w + rho g/||g|| (closed form), also
 for ASAM; exact resume from state_dict with torch.optim and lsdl_lab bases; parameter
-groups shared with the base optimizer; clear errors.
+groups shared with the base optimizer; clear errors. The tests that step run on every
+device of the ``device`` fixture (models and data made on the CPU from their seeds, then
+moved there).
 """
 
 import io
@@ -21,21 +23,25 @@ from lsdl_lab.models import MLP
 EXACT = dict(rtol=0.0, atol=0.0)
 
 
-def data(step, n=32, seed=0):
+def data(step, n=32, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed * 1000 + step)
     x = torch.randn(n, 6, generator=gen)
-    return x, (x[:, 0] + x[:, 1] > 0).long()
+    return x.to(device), (x[:, 0] + x[:, 1] > 0).long().to(device)
 
 
-def make_model(seed=0):
+def make_model(seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return MLP(6, 2, hidden=12, depth=2)
+    return MLP(6, 2, hidden=12, depth=2).to(device)
+
+
+def device_of(model):
+    return next(model.parameters()).device
 
 
 def sam_steps(model, opt, steps, start=0):
     """Steps of SAM's usual loop: gradient at w, then step(closure) at w + e(w)."""
     for t in range(start, start + steps):
-        x, y = data(t)
+        x, y = data(t, device=device_of(model))
 
         def closure(x=x, y=y):
             loss = F.cross_entropy(model(x), y)
@@ -49,7 +55,7 @@ def sam_steps(model, opt, steps, start=0):
 
 def base_steps(model, opt, steps):
     for t in range(steps):
-        x, y = data(t)
+        x, y = data(t, device=device_of(model))
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -68,15 +74,15 @@ BASES = [
 
 
 @pytest.mark.parametrize("base,kwargs", BASES)
-def test_rho_zero_is_the_base_optimizer_bit_for_bit(base, kwargs):
-    a, b = make_model(), make_model()
+def test_rho_zero_is_the_base_optimizer_bit_for_bit(base, kwargs, device):
+    a, b = make_model(device=device), make_model(device=device)
     sam_steps(a, optim.SAM(a.parameters(), base, rho=0.0, **kwargs), 10)
     base_steps(b, base(b.parameters(), **kwargs), 10)
     assert_same_params(a, b)
 
 
-def test_parameter_groups_with_their_own_lr_pass_through():
-    a, b = make_model(), make_model()
+def test_parameter_groups_with_their_own_lr_pass_through(device):
+    a, b = make_model(device=device), make_model(device=device)
 
     def groups(m):
         return [
@@ -99,13 +105,13 @@ def test_parameter_groups_with_their_own_lr_pass_through():
 
 @settings(max_examples=25, deadline=None)
 @given(rho=st.floats(1e-4, 10.0), seed=st.integers(0, 2**16))
-def test_first_step_moves_by_rho_in_global_norm_along_the_gradient(rho, seed):
-    model = make_model(seed).double()  # float64: (w + e) - w is e to ~1e-16
+def test_first_step_moves_by_rho_in_global_norm_along_the_gradient(rho, seed, device):
+    model = make_model(seed, device).double()  # float64: (w + e) - w is e to ~1e-16
     params = list(model.parameters())
     sam = optim.SAM(
         [{"params": params[:2]}, {"params": params[2:]}], torch.optim.SGD, rho=rho, lr=0.1
     )
-    x, y = data(seed)
+    x, y = data(seed, device=device)
     x = x.double()
     F.cross_entropy(model(x), y).backward()
     w = [p.detach().clone() for p in params]
@@ -121,17 +127,17 @@ def test_first_step_moves_by_rho_in_global_norm_along_the_gradient(rho, seed):
     assert all("w" not in sam.state[p] for p in params)
 
 
-def quadratic(seed=0, n=5):
+def quadratic(seed=0, n=5, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
     A = Q @ torch.diag(torch.linspace(0.5, 4.0, n, dtype=torch.float64)) @ Q.T
-    w = nn.Parameter(torch.randn(n, generator=gen, dtype=torch.float64))
-    return A, w
+    w = nn.Parameter(torch.randn(n, generator=gen, dtype=torch.float64).to(device))
+    return A.to(device), w
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_on_a_quadratic_the_step_uses_the_gradient_at_the_perturbed_point(adaptive):
-    A, w = quadratic()
+def test_on_a_quadratic_the_step_uses_the_gradient_at_the_perturbed_point(adaptive, device):
+    A, w = quadratic(device=device)
     rho, lr = 0.3, 0.05
     w0 = w.detach().clone()
     g = A @ w0
@@ -152,10 +158,10 @@ def test_on_a_quadratic_the_step_uses_the_gradient_at_the_perturbed_point(adapti
     assert loss.item() == pytest.approx((0.5 * (w0 + e) @ A @ (w0 + e)).item(), rel=1e-13)
 
 
-def test_a_zero_gradient_leaves_the_weights_in_place():
-    model = make_model()
+def test_a_zero_gradient_leaves_the_weights_in_place(device):
+    model = make_model(device=device)
     sam = optim.SAM(model.parameters(), torch.optim.SGD, lr=0.1)
-    x, y = data(0)
+    x, y = data(0, device=device)
 
     def closure():
         loss = 0.0 * model(x).sum()
@@ -175,11 +181,11 @@ def test_a_zero_gradient_leaves_the_weights_in_place():
 
 
 @pytest.mark.parametrize("base,kwargs", BASES)
-def test_state_dict_resume_is_exact(base, kwargs):
-    straight = make_model()
+def test_state_dict_resume_is_exact(base, kwargs, device):
+    straight = make_model(device=device)
     sam_steps(straight, optim.SAM(straight.parameters(), base, rho=0.05, **kwargs), 10)
 
-    first = make_model()
+    first = make_model(device=device)
     opt = optim.SAM(first.parameters(), base, rho=0.05, **kwargs)
     sam_steps(first, opt, 5)
     buffer = io.BytesIO()
@@ -187,7 +193,7 @@ def test_state_dict_resume_is_exact(base, kwargs):
     buffer.seek(0)
     saved = torch.load(buffer)
 
-    resumed = make_model(seed=1)  # different initial weights, overwritten by the checkpoint
+    resumed = make_model(seed=1, device=device)  # other weights, overwritten by the checkpoint
     opt2 = optim.SAM(resumed.parameters(), base, rho=0.5, **kwargs)
     resumed.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["optimizer"])
@@ -197,10 +203,10 @@ def test_state_dict_resume_is_exact(base, kwargs):
     assert_same_params(resumed, straight)
 
 
-def test_sam_trains():
+def test_sam_trains(device):
     # SAM is an optimizer: a few dozen steps lower the training loss.
-    model = make_model()
-    x, y = data(0, n=256)
+    model = make_model(device=device)
+    x, y = data(0, n=256, device=device)
     before = F.cross_entropy(model(x), y).item()
     opt = optim.SAM(model.parameters(), torch.optim.SGD, rho=0.05, lr=0.2, momentum=0.9)
     for _ in range(40):

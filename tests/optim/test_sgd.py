@@ -58,10 +58,10 @@ def test_nesterov_must_be_a_bool():
         optim.SGD([torch.zeros(2, requires_grad=True)], momentum=0.9, nesterov="yes")
 
 
-def test_heavy_ball_on_a_constant_gradient_is_a_geometric_sum():
+def test_heavy_ball_on_a_constant_gradient_is_a_geometric_sum(device):
     # b_t = sum_{k<t} mu^k g, so w_t - w_{t-1} = -lr g (1 - mu^t) / (1 - mu)
-    p, opt = single("SGD", lr=0.5, momentum=0.5)
-    g = torch.tensor([1.0, -2.0, 0.25, 4.0], dtype=torch.float64)
+    p, opt = single("SGD", device=device, lr=0.5, momentum=0.5)
+    g = torch.tensor([1.0, -2.0, 0.25, 4.0], dtype=torch.float64, device=device)
     for t in range(1, 6):
         before = p.detach().clone()
         p.grad = g.clone()

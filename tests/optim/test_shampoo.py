@@ -2,7 +2,9 @@
 first step, the Kronecker product of the per-dimension roots for an order-3 tensor,
 full-matrix Adagrad on a vector, blocks as independent tensors, grafting's step length,
 the refresh schedule of the roots, and clear errors. The contract (foreach, exact resume,
-groups) is in test_contract.py."""
+groups) is in test_contract.py. The tests that step run on every device of the ``device``
+fixture (their numbers drawn on the CPU, then moved there); the race to a target loss and
+the bad arguments stay on the CPU."""
 
 from __future__ import annotations
 
@@ -31,37 +33,41 @@ def first_step(G: torch.Tensor, **kw) -> torch.Tensor:
 @settings(max_examples=20, deadline=None)
 @given(shape=st.sampled_from([(4, 4), (5, 3), (2, 7), (6, 6)]), seed=st.integers(0, 10**6),
        lr=st.floats(0.01, 2.0))  # fmt: skip
-def test_first_step_on_a_matrix_is_minus_lr_times_the_polar_factor(shape, seed, lr):
+def test_first_step_on_a_matrix_is_minus_lr_times_the_polar_factor(shape, seed, lr, device):
     G = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    G = G.to(device)
     U, _, Vh = torch.linalg.svd(G, full_matrices=False)
     step = first_step(G, lr=lr, epsilon=1e-14, grafting="none")
     torch.testing.assert_close(step, -lr * U @ Vh, rtol=1e-6, atol=1e-6)
 
 
-def test_order_three_tensor_uses_the_kronecker_product_of_minus_one_sixth_roots():
+def test_order_three_tensor_uses_the_kronecker_product_of_minus_one_sixth_roots(device):
     G = torch.randn(3, 4, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    G = G.to(device)
     eps = 0.1
     roots = []
     for i in range(3):  # mode-i unfolding, by moving dimension i first
         Gi = G.movedim(i, 0).reshape(G.shape[i], -1)
-        lam, Q = torch.linalg.eigh(eps * torch.eye(G.shape[i], dtype=G.dtype) + Gi @ Gi.T)
+        eye = torch.eye(G.shape[i], dtype=G.dtype, device=device)
+        lam, Q = torch.linalg.eigh(eps * eye + Gi @ Gi.T)
         roots.append(Q @ torch.diag(lam ** (-1 / 6)) @ Q.T)
     dense = torch.kron(torch.kron(roots[0], roots[1]), roots[2]) @ G.reshape(-1)
     step = first_step(G, lr=1.0, epsilon=eps, grafting="none")
     torch.testing.assert_close(step.reshape(-1), -dense)
 
 
-def test_a_vector_gets_full_matrix_adagrad():
-    g = torch.tensor([3.0, -4.0, 0.0, 12.0], dtype=torch.float64)
+def test_a_vector_gets_full_matrix_adagrad(device):
+    g = torch.tensor([3.0, -4.0, 0.0, 12.0], dtype=torch.float64, device=device)
     # (eps I + g g^T)^(-1/2) g = g / sqrt(eps + |g|^2)
     torch.testing.assert_close(first_step(g, lr=2.0, epsilon=1e-3, grafting="none"),
                                -2.0 * g / (1e-3 + 169.0) ** 0.5)  # fmt: skip
 
 
-def test_blocks_are_preconditioned_as_independent_tensors():
+def test_blocks_are_preconditioned_as_independent_tensors(device):
     gen = torch.Generator().manual_seed(1)
-    gradients = [torch.randn(5, 3, generator=gen, dtype=torch.float64) for _ in range(4)]
-    p = torch.zeros(5, 3, dtype=torch.float64, requires_grad=True)
+    gradients = [torch.randn(5, 3, generator=gen, dtype=torch.float64).to(device)
+                 for _ in range(4)]  # fmt: skip
+    p = torch.zeros(5, 3, dtype=torch.float64, device=device, requires_grad=True)
     opt = Shampoo([p], lr=0.1, epsilon=1e-3, grafting="none", max_block_size=2)
     pieces = [b.detach().clone().requires_grad_() for b in tensor_blocks(p.detach(), 2)]
     assert [tuple(b.shape) for b in pieces] == [(2, 2), (2, 1), (2, 2), (2, 1), (1, 2), (1, 1)]
@@ -78,13 +84,13 @@ def test_blocks_are_preconditioned_as_independent_tensors():
 
 
 @pytest.mark.parametrize("grafting", ["sgd", "adagrad"])
-def test_grafting_takes_the_step_length_of_the_grafted_method(grafting):
+def test_grafting_takes_the_step_length_of_the_grafted_method(grafting, device):
     gen = torch.Generator().manual_seed(2)
-    p = torch.zeros(6, 4, dtype=torch.float64, requires_grad=True)
+    p = torch.zeros(6, 4, dtype=torch.float64, device=device, requires_grad=True)
     opt = Shampoo([p], lr=0.3, epsilon=1e-4, grafting=grafting, update_freq=2)
     v = torch.zeros_like(p)
     for _ in range(5):
-        g = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+        g = torch.randn(6, 4, generator=gen, dtype=torch.float64).to(device)
         before = p.detach().clone()
         p.grad = g.clone()
         opt.step()
@@ -93,13 +99,13 @@ def test_grafting_takes_the_step_length_of_the_grafted_method(grafting):
         torch.testing.assert_close((p.detach() - before).norm(), 0.3 * a.norm())
 
 
-def test_roots_are_refreshed_every_update_freq_steps_and_statistics_every_step():
+def test_roots_are_refreshed_every_update_freq_steps_and_statistics_every_step(device):
     gen = torch.Generator().manual_seed(3)
-    p = torch.zeros(3, 3, dtype=torch.float64, requires_grad=True)
+    p = torch.zeros(3, 3, dtype=torch.float64, device=device, requires_grad=True)
     opt = Shampoo([p], lr=0.1, update_freq=3)
     seen = []
     for _ in range(5):
-        p.grad = torch.randn(3, 3, generator=gen, dtype=torch.float64)
+        p.grad = torch.randn(3, 3, generator=gen, dtype=torch.float64).to(device)
         opt.step()
         s = opt.state[p]
         seen.append((s["statistics"][0][0].clone(), s["roots"][0][0].clone()))
@@ -117,19 +123,19 @@ def spd(n: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n", [1, 4, 9])
-def test_inverse_root_is_a_root_of_the_inverse(n):
-    H = spd(n, n)
+def test_inverse_root_is_a_root_of_the_inverse(n, device):
+    H = spd(n, n).to(device)
     R = inverse_root(H, 0.25, 0.0)
-    torch.testing.assert_close(torch.linalg.matrix_power(R, 4) @ H, torch.eye(n).double())
+    torch.testing.assert_close(torch.linalg.matrix_power(R, 4) @ H, torch.eye(n).to(H))
     # float32 statistics: the root is computed in float64 and returned in float32
     assert inverse_root(H.float(), 0.25, 0.0).dtype == torch.float32
 
 
-def test_the_epsilon_floor_bounds_the_inverse_root_of_a_singular_matrix():
-    H = torch.diag(torch.tensor([4.0, 0.0, 0.0], dtype=torch.float64))
+def test_the_epsilon_floor_bounds_the_inverse_root_of_a_singular_matrix(device):
+    H = torch.diag(torch.tensor([4.0, 0.0, 0.0], dtype=torch.float64)).to(device)
     # eigenvalues (4, 0, 0) floored at 1e-2, then to the power -1/2: (0.5, 10, 10)
     eigenvalues = torch.linalg.eigvalsh(inverse_root(H, 0.5, 1e-2))
-    torch.testing.assert_close(eigenvalues, torch.tensor([0.5, 10.0, 10.0], dtype=torch.float64))
+    torch.testing.assert_close(eigenvalues, torch.tensor([0.5, 10.0, 10.0]).to(H))
 
 
 @pytest.mark.parametrize(
@@ -157,12 +163,12 @@ def test_shampoo_reaches_a_target_loss_in_fewer_steps_than_sgd_and_adam():
     assert shampoo is not None and shampoo <= 0.8 * best, (shampoo, best_first_order())
 
 
-def test_a_failed_root_keeps_the_last_one(monkeypatch):
+def test_a_failed_root_keeps_the_last_one(monkeypatch, device):
     from lsdl_lab.optim import shampoo
 
-    p = torch.zeros(3, 2, dtype=torch.float64, requires_grad=True)
+    p = torch.zeros(3, 2, dtype=torch.float64, device=device, requires_grad=True)
     opt = Shampoo([p], lr=0.1)
-    p.grad = torch.ones(3, 2, dtype=torch.float64)
+    p.grad = torch.ones(3, 2, dtype=torch.float64, device=device)
     opt.step()
     roots = [r.clone() for r in opt.state[p]["roots"][0]]
 
@@ -170,7 +176,7 @@ def test_a_failed_root_keeps_the_last_one(monkeypatch):
         raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
 
     monkeypatch.setattr(shampoo, "inverse_root", fail)
-    p.grad = torch.ones(3, 2, dtype=torch.float64)
+    p.grad = torch.ones(3, 2, dtype=torch.float64, device=device)
     opt.step()  # statistics grow, roots stay
     assert all(torch.equal(a, b) for a, b in zip(roots, opt.state[p]["roots"][0]))
     assert torch.isfinite(p).all()

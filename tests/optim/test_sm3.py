@@ -53,20 +53,22 @@ def test_same_defaults_as_pytorch_optimizer():
 
 @settings(max_examples=6, deadline=None, phases=NO_SHRINK)
 @given(data=st.data())
-def test_matches_pytorch_optimizer(data):
+def test_matches_pytorch_optimizer(data, device):
+    # pytorch-optimizer's SM3 runs on any device, with the same operations (rsqrt included)
     kw = data.draw(HYPER, label="hyperparameters")
     dtype = data.draw(st.sampled_from([torch.float32, torch.float64]), label="dtype")
     foreach = data.draw(st.booleans(), label="foreach")
-    a = run(ours("SM3", **kw, foreach=foreach), dtype=dtype)
-    assert_same_as_reference(a, run(optimizer(pytorch_optimizer, "SM3", **kw), dtype=dtype))
+    a = run(ours("SM3", **kw, foreach=foreach), dtype=dtype, device=device)
+    b = run(optimizer(pytorch_optimizer, "SM3", **kw), dtype=dtype, device=device)
+    assert_same_as_reference(a, b)
 
 
-def test_matches_pytorch_optimizer_on_a_resnet():
+def test_matches_pytorch_optimizer_on_a_resnet(device):
     # order-4 conv weights (four accumulators each), BatchNorm vectors, linear matrices
     kw = dict(lr=0.05, momentum=0.9)
-    a = run(ours("SM3", **kw), "resnet", steps=25)
-    assert_same_as_reference(a, run(optimizer(pytorch_optimizer, "SM3", **kw), "resnet",
-                                    steps=25))  # fmt: skip
+    a = run(ours("SM3", **kw), "resnet", steps=25, device=device)
+    b = run(optimizer(pytorch_optimizer, "SM3", **kw), "resnet", steps=25, device=device)
+    assert_same_as_reference(a, b)
 
 
 test_zero_learning_rate_leaves_parameters_unchanged = zero_learning_rate_test("SM3", HYPER)
@@ -79,10 +81,10 @@ test_power_of_two_gradient_scaling_is_exact = power_of_two_scaling_test(
 # -- memory: n + m numbers for an n x m matrix -------------------------------------------------
 
 
-def test_state_of_an_n_by_m_matrix_is_n_plus_m_numbers():
-    w = torch.zeros(1000, 500, requires_grad=True)
-    b = torch.zeros(500, requires_grad=True)
-    conv = torch.zeros(4, 30, 20, requires_grad=True)
+def test_state_of_an_n_by_m_matrix_is_n_plus_m_numbers(device):
+    w = torch.zeros(1000, 500, device=device, requires_grad=True)
+    b = torch.zeros(500, device=device, requires_grad=True)
+    conv = torch.zeros(4, 30, 20, device=device, requires_grad=True)
     opt = stepped(optim.SM3([w, b, conv]), [w, b, conv])
     assert state_shapes(opt, w) == {"accumulator_0": (1000, 1), "accumulator_1": (1, 500)}
     assert state_bytes(opt, w) == (1000 + 500) * 4  # 6 kB ...
@@ -104,19 +106,20 @@ shapes = st.sampled_from([(3, 4), (5, 1), (2, 3, 4), (2, 1, 3, 2)])
 @settings(max_examples=30, deadline=None)
 @given(shape=shapes, steps_=st.integers(1, 12), seed=st.integers(0, 2**16),
        sparse=st.booleans())  # fmt: skip
-def test_accumulators_bound_the_sum_of_squared_gradients(shape, steps_, seed, sparse):
+def test_accumulators_bound_the_sum_of_squared_gradients(shape, steps_, seed, sparse, device):
     # nu_t >= sum_s g_s^2 coordinatewise, exactly in floating point (rounding is monotonic),
     # so |dw| <= lr |g| / sqrt(sum_s g_s^2), Adagrad's step; `sparse` zeroes most entries,
     # where the covers' bound is loosest
     gen = torch.Generator().manual_seed(seed)
-    w = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+    w = torch.zeros(shape, dtype=torch.float64, device=device, requires_grad=True)
     opt = optim.SM3([w], lr=1.0, eps=1e-300)  # a gradient always 0 so far: a step of 0, not 0/0
-    total = torch.zeros(shape, dtype=torch.float64)
+    total = torch.zeros(shape, dtype=torch.float64, device=device)
     for _ in range(steps_):
         g = torch.randn(shape, generator=gen, dtype=torch.float64)
         if sparse:
             g = g * (torch.rand(shape, generator=gen, dtype=torch.float64) < 0.3)
         g[(0,) * len(shape)] = 1.0  # never all zero
+        g = g.to(device)
         total.addcmul_(g, g)
         with torch.no_grad():
             w.zero_()
@@ -133,27 +136,27 @@ def test_accumulators_bound_the_sum_of_squared_gradients(shape, steps_, seed, sp
 
 @settings(max_examples=20, deadline=None)
 @given(gradients=gradient_sequences)
-def test_sm3_of_a_vector_is_adagrad(gradients):
+def test_sm3_of_a_vector_is_adagrad(gradients, device):
     # singletons cover a vector: SM3 is Adagrad (which adds eps outside the square root;
     # with eps = 0 the two differ by rsqrt's rounding only)
-    p, opt = single("SM3", lr=0.1, eps=0.0)
-    q, adagrad = single("Adagrad", lr=0.1, eps=0.0)
+    p, opt = single("SM3", device=device, lr=0.1, eps=0.0)
+    q, adagrad = single("Adagrad", device=device, lr=0.1, eps=0.0)
     for (_, _, _, dw), (_, _, _, dw_adagrad) in zip(
         steps(opt, p, gradients, torch.float64), steps(adagrad, q, gradients, torch.float64)
     ):
         torch.testing.assert_close(dw, dw_adagrad, rtol=1e-14, atol=0)
 
 
-def test_matrix_accumulators_are_the_row_and_column_maxima():
-    g = torch.tensor([[1.0, 2.0, 0.0], [0.5, 0.0, 3.0]], dtype=torch.float64)
-    w = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
+def test_matrix_accumulators_are_the_row_and_column_maxima(device):
+    g = torch.tensor([[1.0, 2.0, 0.0], [0.5, 0.0, 3.0]], dtype=torch.float64, device=device)
+    w = torch.zeros(2, 3, dtype=torch.float64, device=device, requires_grad=True)
     opt = optim.SM3([w], lr=1.0, eps=0.0)
     w.grad = g
     opt.step()  # nu_1 = g^2 (the accumulators start at 0)
     state = opt.state[w]
     assert state["accumulator_0"].flatten().tolist() == [4.0, 9.0]
     assert state["accumulator_1"].flatten().tolist() == [1.0, 4.0, 9.0]
-    w.grad = torch.ones(2, 3, dtype=torch.float64)
+    w.grad = torch.ones(2, 3, dtype=torch.float64, device=device)
     opt.step()  # nu_2 = min(row, col) + 1
     assert state["accumulator_0"].flatten().tolist() == [5.0, 10.0]
     assert state["accumulator_1"].flatten().tolist() == [2.0, 5.0, 10.0]
