@@ -25,6 +25,16 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _uncapped(monkeypatch):
+    """No test inherits the dry run's caps (lsdl_lab.scale) from the shell: a test that
+    needs every step it asks for would stop short (on a GPU machine where LSDL_MAX_STEPS=2
+    was still exported, Landscape's sign ascent stopped two steps in, short of the box's
+    corner, and its test failed). A test of the caps sets them itself."""
+    monkeypatch.delenv("LSDL_MAX_STEPS", raising=False)
+    monkeypatch.delenv("LSDL_MAX_EXAMPLES", raising=False)
+
+
 # Every device this machine has: the CPU, and CUDA where present. A test that touches
 # tensors takes the `device` fixture and makes its tensors and models there, so on a GPU
 # machine its CUDA half runs with no change (the CPU-only CI runs the CPU half). The
