@@ -5,8 +5,8 @@ Run from the repository root::
     python -m benchmarks.communication              # 1e5, 1e6, 1e7 floats; 2^20 entries
     python -m benchmarks.communication --quick      # small sizes, a few seconds, no file
 
-**All-reduce.** In one world of 2 processes (gloo, :func:`lsdl_lab.dist.spawn`), the
-hand-built :func:`~lsdl_lab.dist.ring_all_reduce` and :func:`~lsdl_lab.dist.tree_all_reduce`
+**All-reduce.** In one world of 2 processes (gloo, :func:`lsdl_lab.distributed.spawn`), the
+hand-built :func:`~lsdl_lab.distributed.ring_all_reduce` and :func:`~lsdl_lab.distributed.tree_all_reduce`
 and ``torch.distributed.all_reduce`` sum a float32 tensor of each size, called in rounds
 (the first of each round rotating, :func:`benchmarks.timing.compare`). Before each call,
 untimed, the tensor is reset and the ranks meet at a barrier; a call's time is the wall
@@ -48,7 +48,7 @@ from benchmarks.timing import (
     write_report,
 )
 from lsdl_lab import compress
-from lsdl_lab.dist import ring_all_reduce, spawn, tree_all_reduce
+from lsdl_lab.distributed import ring_all_reduce, spawn, tree_all_reduce
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "communication.md"
 GOAL = 0.8  # issue 12: ring throughput / built-in's, from GOAL_FROM floats on

@@ -14,7 +14,7 @@ report, ``benchmarks/results/cuda/gpu_check.md``:
   every parallel mode (DDP, ZeRO 1-3, FSDP2), in bf16 and fp16 (with the loss scaler),
   in the precision ``auto`` picks for the GPU, and with the compiled optimizer; then
   ``torchrun --standalone --nproc-per-node 2`` in every parallel mode, whose ranks
-  :func:`lsdl_lab.dist.placement` puts on the GPUs with NCCL when there is one per rank,
+  :func:`lsdl_lab.distributed.placement` puts on the GPUs with NCCL when there is one per rank,
   else on the CPU with gloo: each run's first line must say so, and its loss must be
   finite;
 - ``bench``: the optimizers on CUDA at 50M parameters (``benchmarks.compiled``: eager,
@@ -199,9 +199,9 @@ def entry_command(world: int, options: list[str], out: Path) -> list[str]:
 
 
 def check_entry(outcome: Outcome, world: int, out: Path) -> None:
-    """The run's first line names the placement lsdl_lab.dist.placement gives ``world``
+    """The run's first line names the placement lsdl_lab.distributed.placement gives ``world``
     ranks here; its metrics end at the last step with a finite loss."""
-    from lsdl_lab.dist import placement
+    from lsdl_lab.distributed import placement
 
     where = placement("auto", world, 0)
     lines = outcome.output.splitlines()

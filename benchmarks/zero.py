@@ -5,7 +5,7 @@ Run from the repository root::
     python -m benchmarks.zero                       # the cpu profile's GPT, world 2
     python -m benchmarks.zero --quick               # a tiny GPT, a few seconds, no file
 
-In one world of 2 processes (gloo, :func:`lsdl_lab.dist.spawn`), eight data-parallel
+In one world of 2 processes (gloo, :func:`lsdl_lab.distributed.spawn`), eight data-parallel
 set-ups each train their own copy of the same float32 GPT (untied output layer:
 :func:`lsdl_lab.memory.experiments.untied_gpt`, as ZeRO's units need) with Adam on the
 rank's half of the same batch:
@@ -57,7 +57,7 @@ from benchmarks.timing import (
     results_path,
     write_report,
 )
-from lsdl_lab.dist import spawn
+from lsdl_lab.distributed import spawn
 from lsdl_lab.memory import ZeroOptimizer
 from lsdl_lab.memory.experiments import lm_loss, untied_gpt
 from lsdl_lab.memory.measure import CATEGORIES, measure

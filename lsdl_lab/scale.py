@@ -210,7 +210,7 @@ def world_profile(profile: Profile, device: torch.device | str) -> Profile:
     """The profile whose sizes a world of processes on ``device`` can afford: ``profile``
     itself, except that a world on the CPU never takes the ``gpu`` sizes, which assume a
     GPU per rank. A world of 2 on a one-GPU machine runs on its CPU cores (two in Colab:
-    :func:`lsdl_lab.dist.placement`), so its experiments take the ``cpu`` sizes, whatever
+    :func:`lsdl_lab.distributed.placement`), so its experiments take the ``cpu`` sizes, whatever
     the profile of the rest of the lab."""
     if profile.name == "gpu" and torch.device(device).type != "cuda":
         return PROFILES["cpu"]

@@ -16,7 +16,7 @@ checksums, under a data root of their own (``LSDL_DATA``): verification passes f
 files only, and a record's URL that cannot be fetched makes any download attempt fail, so
 nothing is downloaded. They are registered in every Python process of the dry run, by a
 ``sitecustomize`` module on its ``PYTHONPATH``: the kernel, and the ranks that Labs 7 and
-9 start (forked from a fresh server by :func:`lsdl_lab.dist.spawn`, or new Pythons under
+9 start (forked from a fresh server by :func:`lsdl_lab.distributed.spawn`, or new Pythons under
 ``torchrun``), which load their data themselves. The caps reach those ranks through the
 environment, as the rest of it does.
 

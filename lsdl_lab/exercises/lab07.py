@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..check import CheckFailed, exercise
 from ..check.compare import difference
 from ..compress import ErrorFeedback, SignSGD, TopK, unpack_bits
-from ..dist.world import WorkerError, spawn
+from ..distributed.world import WorkerError, spawn
 
 RING_WORLD = 3  # a world of 2 hides chunk-index mistakes that 3 ranks expose
 RING_SIZES = (1, 2, 3, 7, 1000)

@@ -15,7 +15,7 @@ experiment, so the chapter, the lab and the tests measure the same way.
   of a GPT, for the calculator (:func:`~lsdl_lab.memory.gpt_memory`) to be held against.
 
 The worker of :func:`zero_per_rank` is a top-level function of this module, so that
-:func:`lsdl_lab.dist.spawn` can start it in fresh processes.
+:func:`lsdl_lab.distributed.spawn` can start it in fresh processes.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def zero_per_rank(
 ) -> list[dict]:
     """Run :func:`zero_worker` in one world of ``world_size`` processes (gloo on CPU);
     a list by rank of ``{stage: {"held", "numel", "padded", "units", "losses"}}``."""
-    from ..dist import spawn  # the world machinery only when a world is started
+    from ..distributed import spawn  # the world machinery only when a world is started
 
     world_size = check_int("world_size", world_size, 1)
     for stage in stages:

@@ -33,7 +33,7 @@ whatever the micro-batch (real kernels run faster on larger ones: a known bias o
 model toward b = 1). A stage's time is set by its ``ceil(layers / pp)`` blocks; 1F1B's
 bubble stretches the compute by ``1 + (pp - 1) / m``.
 
-**Communication** by the alpha-beta model (:mod:`lsdl_lab.dist.cost`), none of it
+**Communication** by the alpha-beta model (:mod:`lsdl_lab.distributed.cost`), none of it
 overlapped with compute (an upper bound: Megatron-LM 2021 runs the data-parallel
 all-reduce after the backward pass and the tensor-parallel ones on the critical path):
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from .._util import check_choice
-from ..dist.cost import ring_all_reduce_time
+from ..distributed.cost import ring_all_reduce_time
 from ..memory.calculator import (
     RECOMPUTE,
     activation_bytes,

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from .._util import check_choice, check_fraction, check_int, check_nonnegative, check_positive
-from ..dist.cost import AlphaBeta
+from ..distributed.cost import AlphaBeta
 from ..memory.calculator import PRECISIONS, RECOMPUTE, GPTShape, gpt_param_shapes
 from ..memory.zero import ZERO_STAGES
 

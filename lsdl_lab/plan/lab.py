@@ -1,5 +1,5 @@
 """The planner at lab scale: the book's world of 2 processes on one CPU (gloo), with the
-alpha-beta of its loopback link measured by :mod:`lsdl_lab.dist.cost` and the FLOP rate
+alpha-beta of its loopback link measured by :mod:`lsdl_lab.distributed.cost` and the FLOP rate
 that one process achieves on the model's training step, to set against a measured run of the
 training entry point (:mod:`lsdl_lab.run`): :func:`planned_run` is the planner's
 configuration of such a run."""
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .._util import check_int, check_positive
-from ..dist.cost import AlphaBeta, fit_alpha_beta, measure_collective, ring_all_reduce_time
+from ..distributed.cost import AlphaBeta, fit_alpha_beta, measure_collective, ring_all_reduce_time
 from .estimate import train_flops_per_token
 from .inputs import Cluster, Model, Techniques
 from .search import Config, plan
@@ -34,7 +34,7 @@ ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
 def measure_link(
     rank: int, world_size: int, nbytes=(4096, 65536, 1 << 20, 4 << 20), repeats: int = 5
 ) -> AlphaBeta:
-    """A worker for :func:`lsdl_lab.dist.spawn`: the alpha-beta of this world's link,
+    """A worker for :func:`lsdl_lab.distributed.spawn`: the alpha-beta of this world's link,
     fitted with the ring's model (Chapter 7) to the fastest of ``repeats`` calls of
     ``dist.all_reduce`` on float32 tensors of each of ``nbytes`` bytes (the minimum: load
     from other processes only slows a call down)."""
@@ -86,8 +86,8 @@ def lab_cluster(
     reserve: float = 0.0,
 ) -> Cluster:
     """A one-node cluster of ``devices`` processes (the book's world 2 on gloo and a CPU)
-    whose links are all the measured ``link`` (:func:`~lsdl_lab.dist.fit_alpha_beta` on
-    :func:`~lsdl_lab.dist.measure_collective`'s times): on one machine, "intra" and
+    whose links are all the measured ``link`` (:func:`~lsdl_lab.distributed.fit_alpha_beta` on
+    :func:`~lsdl_lab.distributed.measure_collective`'s times): on one machine, "intra" and
     "inter" node are the same loopback. ``peak_flops`` is the measured FLOP/s of one
     process (then ``efficiency`` 1)."""
     if not isinstance(link, AlphaBeta):

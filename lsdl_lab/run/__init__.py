@@ -8,7 +8,7 @@
 * :mod:`~lsdl_lab.run.checkpoint`: atomic checkpoints that load with ``weights_only=True``;
 * :mod:`~lsdl_lab.run.metrics`: the JSON-lines metrics log;
 * :mod:`~lsdl_lab.run.launch`: :func:`launch` (``torchrun`` from a notebook),
-  :func:`spawn_run` (a world of :func:`lsdl_lab.dist.spawn`) and the CLI.
+  :func:`spawn_run` (a world of :func:`lsdl_lab.distributed.spawn`) and the CLI.
 
 From a shell::
 

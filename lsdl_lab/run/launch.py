@@ -1,6 +1,6 @@
 """Starting a run: the command line (:func:`main`) and :func:`launch`, which runs the
 same command under ``torchrun`` from Python (a notebook, a test) and returns its metrics;
-:func:`spawn_run` runs it in a world of :func:`lsdl_lab.dist.spawn` instead (ranks forked
+:func:`spawn_run` runs it in a world of :func:`lsdl_lab.distributed.spawn` instead (ranks forked
 from a server that has imported torch once: no torchrun start per run).
 
 The workers of a launched run are new Python processes started by ``torchrun``
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from .._util import check_int, check_positive
-from ..dist.world import spawn
+from ..distributed.world import spawn
 from ..train import NonFiniteLossError
 from .checkpoint import CheckpointError
 from .config import Config, load_config
@@ -156,7 +156,7 @@ def launch(
 
 
 def run_rank(rank: int, world_size: int, config: Config) -> list[dict]:
-    """One rank of a run of ``config`` in a world started by :func:`lsdl_lab.dist.spawn`
+    """One rank of a run of ``config`` in a world started by :func:`lsdl_lab.distributed.spawn`
     (the worker :func:`spawn_run` hands it): :func:`train` joins the spawned world as it
     joins ``torchrun``'s, reading rank and size from its process group; rank 0 returns the
     metrics records, the others an empty list."""
@@ -165,16 +165,16 @@ def run_rank(rank: int, world_size: int, config: Config) -> list[dict]:
 
 
 def spawn_run(config: Config, nproc: int = 2, *, timeout: float = 600.0) -> list[dict]:
-    """Run ``config`` on ``nproc`` ranks started by :func:`lsdl_lab.dist.spawn` and return
+    """Run ``config`` on ``nproc`` ranks started by :func:`lsdl_lab.distributed.spawn` and return
     rank 0's metrics records: the same :func:`train` as :func:`launch`, without a new
     Python per rank (0.1-0.3 s a world instead of 10-30 s of ``torchrun`` start on a
     loaded machine), for comparing several short runs. A failing rank raises
-    :class:`lsdl_lab.dist.WorkerError` naming it; every collective ends after
+    :class:`lsdl_lab.distributed.WorkerError` naming it; every collective ends after
     ``config.timeout`` seconds, the whole world after ``timeout``."""
     if not isinstance(config, Config):
         raise TypeError(f"Invalid config: a {type(config).__name__} (expected a Config)")
     nproc = check_int("nproc", nproc, 1)
     timeout = check_positive("timeout", timeout)
-    # the world's backend as each rank's train() will place itself (lsdl_lab.dist.placement)
+    # the world's backend as each rank's train() will place itself (lsdl_lab.distributed.placement)
     backend = None if config.backend == "auto" else config.backend
     return spawn(run_rank, nproc, config, backend=backend, device=config.device, timeout=timeout)[0]

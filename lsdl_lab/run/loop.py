@@ -1,11 +1,11 @@
 """The run itself: :func:`train` does one whole run of a :class:`Config` on this process.
 
 Under ``torchrun`` (the environment names ``RANK`` and ``WORLD_SIZE``) the process joins
-the launcher's world with :func:`lsdl_lab.dist.init_from_env` (each round of restarted
+the launcher's world with :func:`lsdl_lab.distributed.init_from_env` (each round of restarted
 workers under its own keys of torchrun's store), every collective bounded by
 ``config.timeout``; alone, it runs as a world of one (with a process group of one
 only where ZeRO, FSDP2 or a compression hook need one). The device and backend are
-:func:`lsdl_lab.dist.placement`'s for ``config.device``: with ``auto``, ``cuda:LOCAL_RANK``
+:func:`lsdl_lab.distributed.placement`'s for ``config.device``: with ``auto``, ``cuda:LOCAL_RANK``
 and NCCL where the machine has a GPU for each of its ranks, else the CPU and gloo (a
 world of 2 on a one-GPU machine runs on the CPU); the run's first line says which.
 
@@ -20,7 +20,7 @@ scaler with fp16), the schedule advances, a metrics record is written every
 ``log_every`` steps and a checkpoint every ``checkpoint_every`` steps and at the end.
 
 In a dry run (:mod:`lsdl_lab.scale`; the caps reach every rank through the environment,
-which ``torchrun`` and :func:`lsdl_lab.dist.spawn` pass on) the run stops after
+which ``torchrun`` and :func:`lsdl_lab.distributed.spawn` pass on) the run stops after
 ``LSDL_MAX_STEPS`` steps, its schedule still the config's, and each global batch holds at
 most ``LSDL_MAX_EXAMPLES`` examples, cut into as many micro-batches as the config's.
 """
@@ -40,7 +40,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._util import seed_from
-from ..dist.world import Placement, free_port, init_from_env, placement
+from ..distributed.world import Placement, free_port, init_from_env, placement
 from ..memory import LossScaler, checkpoint_sequential, mixed_precision_for
 from ..scale import capped_steps
 from ..train import NonFiniteLossError
@@ -69,7 +69,7 @@ class Checkpointed(nn.Sequential):
 
 
 def _placement(config: Config) -> Placement:
-    """This rank's device and its world's backend: :func:`lsdl_lab.dist.placement` for
+    """This rank's device and its world's backend: :func:`lsdl_lab.distributed.placement` for
     ``config.device`` (NCCL with a GPU per rank on this machine, else gloo on the CPU),
     the backend ``config.backend`` where it is not ``auto``."""
     where = placement(config.device)
@@ -97,7 +97,7 @@ def _precision(config: Config, device: torch.device) -> tuple[Config, str]:
 
 def _join(config: Config, backend: str) -> tuple[int, int, bool]:
     """(rank, world size, whether this call created the process group)."""
-    if dist.is_initialized():  # a world started by lsdl_lab.dist.spawn
+    if dist.is_initialized():  # a world started by lsdl_lab.distributed.spawn
         return dist.get_rank(), dist.get_world_size(), False
     # torchrun (each round of restarted workers under its own keys) or another launcher
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lsdl_lab.compress import HookState
-from lsdl_lab.dist import spawn
+from lsdl_lab.distributed import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ranks import the worker by name
 import compress_hooks_worker as worker  # noqa: E402

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sharded_workers  # noqa: E402
 
 from lsdl_lab import optim  # noqa: E402
-from lsdl_lab.dist import spawn  # noqa: E402
+from lsdl_lab.distributed import spawn  # noqa: E402
 from lsdl_lab.memory import ZeroOptimizer, zero_bytes  # noqa: E402
 
 WORLD = 2

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import parallel_workers as pw  # noqa: E402
 
-from lsdl_lab.dist import WorkerError, call_each, spawn  # noqa: E402
+from lsdl_lab.distributed import WorkerError, call_each, spawn  # noqa: E402
 from lsdl_lab.parallel import (  # noqa: E402
     bubble_fraction,
     gpipe_schedule,

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import parallel_workers  # noqa: E402
 
-from lsdl_lab.dist import spawn  # noqa: E402
+from lsdl_lab.distributed import spawn  # noqa: E402
 
 FLOAT64 = 1e-12
 PIECES = ("column", "row", "mlp", "attention", "block", "gpt")

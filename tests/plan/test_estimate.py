@@ -50,7 +50,7 @@ def test_pipeline_first_stage_holds_pp_micro_batches(small, small_cluster):
 
 
 def test_communication_follows_the_alpha_beta_model(small, small_cluster):
-    from lsdl_lab.dist.cost import ring_all_reduce_time
+    from lsdl_lab.distributed.cost import ring_all_reduce_time
 
     techniques = Techniques(tp=(2,), pp=(2,), micro_batches=(2,), recompute=("none",))
     configs = {c.zero_stage: c for c in plan(small, small_cluster, techniques)}

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from lsdl_lab.dist import call_each, spawn
-from lsdl_lab.dist.cost import AlphaBeta, ring_all_reduce_time
+from lsdl_lab.distributed import call_each, spawn
+from lsdl_lab.distributed.cost import AlphaBeta, ring_all_reduce_time
 from lsdl_lab.memory.calculator import gpt_param_shapes
 from lsdl_lab.plan import Model, lab_cluster, plan_lab
 from lsdl_lab.plan.lab import measure_link, planned_run, run_model, step_flop_rate

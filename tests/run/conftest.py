@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_workers import run_all  # noqa: E402
 
-from lsdl_lab.dist import spawn  # noqa: E402
+from lsdl_lab.distributed import spawn  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from run_workers import WORLD2, make
 
-from lsdl_lab.dist import free_port
+from lsdl_lab.distributed import free_port
 from lsdl_lab.run import (
     Config,
     LaunchError,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from run_workers import BASE, CONSTANT, WORLD2, config, make
 
 from lsdl_lab import compress
-from lsdl_lab.dist import call_each, free_port, spawn
+from lsdl_lab.distributed import call_each, free_port, spawn
 from lsdl_lab.run import Config, read_metrics, run_rank, train
 from lsdl_lab.run.checkpoint import load
 from lsdl_lab.run.loop import _placement
@@ -225,7 +225,7 @@ def test_bad_combinations_are_refused_naming_the_option(tmp_path):
 def test_each_round_of_torchrun_workers_joins_under_its_own_keys(tmp_path, monkeypatch):
     """Under torchrun (its agent's store, kept across restarts), every round of workers
     counts itself in the store and keeps its keys under its own prefix
-    (lsdl_lab.dist.init_from_env): a restarted rank cannot read a killed one's address."""
+    (lsdl_lab.distributed.init_from_env): a restarted rank cannot read a killed one's address."""
     port = free_port()
     agent = dist.TCPStore(  # stands for torchrun's agent store
         "127.0.0.1", port, 1, is_master=True, multi_tenant=True, timeout=timedelta(seconds=30)
@@ -238,7 +238,7 @@ def test_each_round_of_torchrun_workers_joins_under_its_own_keys(tmp_path, monke
     for round_ in range(2):  # the first run and its restart
         records = train(make(CONSTANT, steps=1, out_dir=str(tmp_path / f"round{round_}")))
         assert records[-1]["world_size"] == 1 and not dist.is_initialized()
-        assert agent.add("lsdl_lab.dist/joined", 0) == round_ + 1
+        assert agent.add("lsdl_lab.distributed/joined", 0) == round_ + 1
 
 
 def test_a_dry_run_stops_every_rank_at_the_capped_step_with_as_many_micro_batches(
@@ -266,7 +266,7 @@ def test_a_world_larger_than_the_machines_gpus_runs_on_the_cpu_and_says_so(
     tmp_path, monkeypatch, capsys
 ):
     """A rank of two on a machine whose (pretended) one GPU cannot hold both is placed on
-    the CPU with gloo (lsdl_lab.dist.placement); with a GPU per rank it gets its GPU and
+    the CPU with gloo (lsdl_lab.distributed.placement); with a GPU per rank it gets its GPU and
     NCCL, or gloo where the config asks. A run's first line says where it runs and why."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

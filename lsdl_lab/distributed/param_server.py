@@ -19,7 +19,7 @@ each carries a version number: a message is one flat float64 tensor ``[version, 
   wait. The server returns the staleness of every update it applied.
 
 ``gradient(w, worker, k)`` is the workers' gradient (worker 0..p-2, its k-th call): an
-importable function, like any worker of :func:`~lsdl_lab.dist.spawn`. All messages are
+importable function, like any worker of :func:`~lsdl_lab.distributed.spawn`. All messages are
 float64 CPU tensors, and so are the weights, since the server receives from whichever
 worker is done first, which gloo's point-to-point can and NCCL's cannot (a gradient
 computed on a GPU is moved to the CPU to be sent). Every run is meant to be called by

@@ -1,12 +1,12 @@
-"""The experiments of Chapter 7 and its lab, as workers for :func:`~lsdl_lab.dist.spawn`.
+"""The experiments of Chapter 7 and its lab, as workers for :func:`~lsdl_lab.distributed.spawn`.
 
 A notebook cannot spawn a function it defines (each process would re-run the notebook),
 so every experiment the chapter and the lab run on a world of processes lives here, as a
 top-level function ``fn(rank, world_size, ...)`` that returns plain results (numbers,
 lists, dicts), the same on every rank unless it says otherwise::
 
-    from lsdl_lab.dist import spawn
-    from lsdl_lab.dist.experiments import collective_times
+    from lsdl_lab.distributed import spawn
+    from lsdl_lab.distributed.experiments import collective_times
     result = spawn(collective_times, 2, [4_000, 400_000, 4_000_000])[0]
 
 * :func:`collective_times`: the hand-built ring and tree all-reduce against
@@ -20,7 +20,7 @@ lists, dicts), the same on every rank unless it says otherwise::
   and a pipeline's measured bubble against (p - 1)/(m + p - 1).
 
 In a dry run (:mod:`lsdl_lab.scale`: ``LSDL_MAX_STEPS``, ``LSDL_MAX_EXAMPLES``, which
-every rank reads from the caller's environment, see :func:`~lsdl_lab.dist.spawn`) each
+every rank reads from the caller's environment, see :func:`~lsdl_lab.distributed.spawn`) each
 loop of training steps and of timed repeats runs at most the capped number of times and
 each batch and evaluation set holds at most the capped number of examples; nothing
 changes outside one.
@@ -88,7 +88,7 @@ __all__ = [
 
 def collective_times(rank, world_size, nbytes: Sequence[int], repeats: int = 5) -> dict:
     """Seconds per all-reduce of float32 tensors of each of ``nbytes`` bytes (the minimum
-    over ``repeats``, see :func:`~lsdl_lab.dist.measure_collective`) for the ring, the
+    over ``repeats``, see :func:`~lsdl_lab.distributed.measure_collective`) for the ring, the
     tree and ``dist.all_reduce``, and the (alpha, beta) fitted to the ring's and the
     tree's times with their own models."""
     repeats = capped_steps(repeats)  # the identity, except in a dry run (lsdl_lab.scale)
@@ -137,10 +137,10 @@ def least_squares_gradient(w: torch.Tensor, worker: int, k: int) -> torch.Tensor
 
 
 def staleness_run(rank, world_size, staleness: Sequence[int], lr: float, steps: int) -> dict:
-    """Asynchronous parameter-server SGD (:func:`~lsdl_lab.dist.asynchronous_sgd`) on a
+    """Asynchronous parameter-server SGD (:func:`~lsdl_lab.distributed.asynchronous_sgd`) on a
     least-squares problem at each staleness bound s, from zero weights: on the server,
     ``{s: {"loss", "max_staleness", "mean_staleness"}}``; ``None`` on the workers.
-    Synchronous SGD (:func:`~lsdl_lab.dist.synchronous_sgd`) is ``"sync"``."""
+    Synchronous SGD (:func:`~lsdl_lab.distributed.synchronous_sgd`) is ``"sync"``."""
     steps = capped_steps(steps)  # the identity, except in a dry run (lsdl_lab.scale)
     w0 = torch.zeros(_least_squares()[0].shape[1], dtype=torch.float64)
     out = {}
@@ -396,7 +396,7 @@ def local_sgd_run(
     """Local SGD on the digits at each averaging period H (:class:`PeriodicAverager`, plain
     SGD, ``batch`` examples per step over all ranks, the same examples for every H), and
     the overlap of the gradient all-reduce with the backward pass
-    (:func:`~lsdl_lab.dist.local_sgd.overlap_times` on a batch of the same model).
+    (:func:`~lsdl_lab.distributed.local_sgd.overlap_times` on a batch of the same model).
 
     Returns ``{"periods": {H: {"accuracy", "rounds", "bytes", "seconds"}}, "overlap":
     {...}}``; ``bytes`` is what this rank handed to all-reduces (parameters or gradients

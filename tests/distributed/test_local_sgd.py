@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import local_sgd_workers as w  # noqa: E402
 
-from lsdl_lab.dist import spawn  # noqa: E402
-from lsdl_lab.dist.local_sgd import PeriodicAverager  # noqa: E402
+from lsdl_lab.distributed import spawn  # noqa: E402
+from lsdl_lab.distributed.local_sgd import PeriodicAverager  # noqa: E402
 
 WORLD, PERIOD, WARMUP, STEPS = 2, 3, 2, 9
 

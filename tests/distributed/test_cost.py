@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dist_workers  # noqa: E402
 
-from lsdl_lab.dist import (  # noqa: E402
+from lsdl_lab.distributed import (  # noqa: E402
     AlphaBeta,
     fit_alpha_beta,
     parameter_server_all_reduce_time,

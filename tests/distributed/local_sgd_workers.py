@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lsdl_lab.dist.local_sgd import (
+from lsdl_lab.distributed.local_sgd import (
     PeriodicAverager,
     accumulate_gradients,
     overlap_times,

@@ -1,18 +1,18 @@
 """Distributed training on real ``torch.distributed`` worlds (Chapter 7).
 
-* :mod:`~lsdl_lab.dist.world`: start a world of processes from a notebook (:func:`spawn`)
+* :mod:`~lsdl_lab.distributed.world`: start a world of processes from a notebook (:func:`spawn`)
   or join one under ``torchrun`` (:func:`init_from_env`), with timeouts, the failing
   rank's traceback, and no process left behind.
-* :mod:`~lsdl_lab.dist.collectives`: ring and recursive-doubling all-reduce, ring
+* :mod:`~lsdl_lab.distributed.collectives`: ring and recursive-doubling all-reduce, ring
   all-gather and reduce-scatter, built from point-to-point messages; a blocking ring that
   deadlocks.
-* :mod:`~lsdl_lab.dist.cost`: the alpha-beta model of ring, tree and parameter-server
+* :mod:`~lsdl_lab.distributed.cost`: the alpha-beta model of ring, tree and parameter-server
   all-reduce, measured and fitted on the world at hand.
-* :mod:`~lsdl_lab.dist.param_server`: push and pull over point-to-point; synchronous and
+* :mod:`~lsdl_lab.distributed.param_server`: push and pull over point-to-point; synchronous and
   asynchronous SGD with bounded staleness.
-* :mod:`~lsdl_lab.dist.local_sgd`: communicating less often: gradient accumulation with
+* :mod:`~lsdl_lab.distributed.local_sgd`: communicating less often: gradient accumulation with
   ``no_sync``, local SGD and post-local SGD, overlap of communication with the backward pass.
-* :mod:`~lsdl_lab.dist.experiments`: the importable workers that Chapter 7 and Lab 7 spawn.
+* :mod:`~lsdl_lab.distributed.experiments`: the importable workers that Chapter 7 and Lab 7 spawn.
 """
 
 from .collectives import (

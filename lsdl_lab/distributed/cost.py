@@ -52,7 +52,7 @@ def ring_all_reduce_time(nbytes: float, p: int, alpha: float, beta: float) -> fl
 
 
 def tree_all_reduce_time(nbytes: float, p: int, alpha: float, beta: float) -> float:
-    """Recursive doubling as :func:`~lsdl_lab.dist.tree_all_reduce` runs it: log2 q steps
+    """Recursive doubling as :func:`~lsdl_lab.distributed.tree_all_reduce` runs it: log2 q steps
     of n bytes for the largest power of two q <= p, plus one step to fold the extra ranks
     in and one to hand them the sum when p is not a power of two (Thakur et al. 2005)."""
     q = 1 << (p.bit_length() - 1)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dist_workers  # noqa: E402
 
-from lsdl_lab.dist import WorkerError, call_each, ring_all_reduce, spawn  # noqa: E402
+from lsdl_lab.distributed import WorkerError, call_each, ring_all_reduce, spawn  # noqa: E402
 
 FLOAT64_ROUNDING = 1e-13  # a few ulps of float64, relative to the largest entry
 

@@ -242,8 +242,8 @@ def _round_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dis
         timeout=timeout,
         multi_tenant=True,
     )
-    round_ = (store.add("lsdl_lab.dist/joined", 1) - 1) // world_size
-    return dist.PrefixStore(f"lsdl_lab.dist/round{round_}/", store)
+    round_ = (store.add("lsdl_lab.distributed/joined", 1) - 1) // world_size
+    return dist.PrefixStore(f"lsdl_lab.distributed/round{round_}/", store)
 
 
 def destroy() -> None:

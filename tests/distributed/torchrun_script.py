@@ -1,10 +1,10 @@
-"""Run under torchrun by tests/dist/test_world.py: join the world from the environment,
+"""Run under torchrun by tests/distributed/test_world.py: join the world from the environment,
 sum the ranks, print what each rank sees."""
 
 import torch
 import torch.distributed as dist
 
-from lsdl_lab.dist import world_from_env
+from lsdl_lab.distributed import world_from_env
 
 with world_from_env(timeout=30) as (rank, world_size):
     total = torch.tensor([float(rank)])

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dist_workers  # noqa: E402
 
-from lsdl_lab.dist import asynchronous_sgd, spawn, synchronous_sgd  # noqa: E402
+from lsdl_lab.distributed import asynchronous_sgd, spawn, synchronous_sgd  # noqa: E402
 
 LR, STEPS = 0.05, 30
 

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from lsdl_lab.dist import (
+from lsdl_lab.distributed import (
     all_reduce_sgd,
     asynchronous_sgd,
     fit_alpha_beta,

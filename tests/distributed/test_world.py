@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dist_workers  # noqa: E402
 
-from lsdl_lab.dist import WorkerError, init_from_env, placement, spawn  # noqa: E402
+from lsdl_lab.distributed import WorkerError, init_from_env, placement, spawn  # noqa: E402
 
 SERVERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
