@@ -6,13 +6,13 @@ Run from the repository root::
     python -m benchmarks.communication --quick      # small sizes, a few seconds, no file
 
 **All-reduce.** In one world of 2 processes (gloo, :func:`lsdl_lab.distributed.spawn`), the
-hand-built :func:`~lsdl_lab.distributed.ring_all_reduce` and :func:`~lsdl_lab.distributed.tree_all_reduce`
-and ``torch.distributed.all_reduce`` sum a float32 tensor of each size, called in rounds
-(the first of each round rotating, :func:`benchmarks.timing.compare`). Before each call,
-untimed, the tensor is reset and the ranks meet at a barrier; a call's time is the wall
-clock (a collective waits for its peer: no CPU clock sees that) of the slower rank. The
-goal (issue 12): the ring at >= 0.8x the built-in's throughput from 1e6 floats on, i.e.
-``time(built-in) / time(ring) >= 0.8``.
+hand-built :func:`~lsdl_lab.distributed.ring_all_reduce` and
+:func:`~lsdl_lab.distributed.tree_all_reduce` and ``torch.distributed.all_reduce`` sum a
+float32 tensor of each size, called in rounds (the first of each round rotating,
+:func:`benchmarks.timing.compare`). Before each call, untimed, the tensor is reset and
+the ranks meet at a barrier; a call's time is the wall clock (a collective waits for its
+peer: no CPU clock sees that) of the slower rank. The goal (issue 12): the ring at >= 0.8x
+the built-in's throughput from 1e6 floats on, i.e. ``time(built-in) / time(ring) >= 0.8``.
 
 **Compression.** In this process, each compressor of :mod:`lsdl_lab.compress` encodes
 (``compress``) and decodes (``decompress``) one float32 gradient, a ``side x side``

@@ -50,9 +50,9 @@ from benchmarks.timing import (
     results_path,
     write_report,
 )
+from lsdl_lab.book.races import state_bytes
 from lsdl_lab.models import MLP, ResNet
 from lsdl_lab.optim import KFAC, Adam, Shampoo
-from lsdl_lab.races import state_bytes
 from lsdl_lab.scale import PROFILES
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "second_order.md"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from lsdl_lab.races import state_bytes
+from lsdl_lab.book.races import state_bytes
 
 __all__ = [
     "CLOCKS",
@@ -126,7 +126,7 @@ def compare(
 
 def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
     """Bytes of every tensor in ``optimizer.state``, divided by the number of parameters
-    (:func:`lsdl_lab.races.state_bytes`, which is :func:`lsdl_lab.memory.measure`'s count).
+    (:func:`lsdl_lab.book.races.state_bytes`, which is :func:`lsdl_lab.memory.measure`'s count).
 
     Every tensor counts, including torch.optim's 0-d ``step`` tensors (4 bytes per
     parameter *tensor*, so under 1e-4 bytes per parameter for the benchmark's models);

@@ -7,7 +7,7 @@ Run from the repository root::
 
 In one world of 2 processes (gloo, :func:`lsdl_lab.distributed.spawn`), eight data-parallel
 set-ups each train their own copy of the same float32 GPT (untied output layer:
-:func:`lsdl_lab.memory.experiments.untied_gpt`, as ZeRO's units need) with Adam on the
+:func:`lsdl_lab.book.memory_experiments.untied_gpt`, as ZeRO's units need) with Adam on the
 rank's half of the same batch:
 
 * ``DDP``: ``DistributedDataParallel`` and ``torch.optim.Adam`` (plain data parallelism);
@@ -57,9 +57,9 @@ from benchmarks.timing import (
     results_path,
     write_report,
 )
+from lsdl_lab.book.memory_experiments import lm_loss, untied_gpt
 from lsdl_lab.distributed import spawn
 from lsdl_lab.memory import ZeroOptimizer
-from lsdl_lab.memory.experiments import lm_loss, untied_gpt
 from lsdl_lab.memory.measure import CATEGORIES, measure
 from lsdl_lab.scale import PROFILES
 

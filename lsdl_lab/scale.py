@@ -14,9 +14,9 @@ profile with :meth:`Profile.pick`::
 A *dry run* proves a profile on a machine that could not afford it: the project's test
 (``tests/test_gpu_profile.py``) runs every lab at ``gpu`` on a CPU with two caps set in
 the environment. ``LSDL_MAX_STEPS`` caps the number of iterations of every loop (the
-steps of :func:`lsdl_lab.train.fit` and :func:`lsdl_lab.races.race`, the labs' own loops,
-through :func:`capped_steps`); ``LSDL_MAX_EXAMPLES`` caps the examples of every batch and
-measured subset (through :func:`capped_examples`). The models, the sizes of an example
+steps of :func:`lsdl_lab.train.fit` and :func:`lsdl_lab.book.races.race`, the labs' own
+loops, through :func:`capped_steps`); ``LSDL_MAX_EXAMPLES`` caps the examples of every
+batch and measured subset (through :func:`capped_examples`). The models, the sizes of an example
 (32x32 colour images, contexts of 256 characters) and the code paths stay those of the
 profile; only how long each loop runs and how many examples each batch holds shrink.
 Neither variable is set at any real profile, where both functions return their argument.

@@ -108,7 +108,8 @@ def _tiny_classifier():
 
 
 def test_loops_and_batches_honour_the_caps(caps):
-    from lsdl_lab import data, races, train
+    from lsdl_lab import data, train
+    from lsdl_lab.book import races
 
     x, y = torch.randn(200, 4), torch.randint(0, 3, (200,))
     batches = data.ImageBatches(x, y, 64)

@@ -12,7 +12,9 @@
   asynchronous SGD with bounded staleness.
 * :mod:`~lsdl_lab.distributed.local_sgd`: communicating less often: gradient accumulation with
   ``no_sync``, local SGD and post-local SGD, overlap of communication with the backward pass.
-* :mod:`~lsdl_lab.distributed.experiments`: the importable workers that Chapter 7 and Lab 7 spawn.
+
+The importable workers that Chapter 7 and Lab 7 spawn live in the book's wing,
+:mod:`lsdl_lab.book.communication_experiments`.
 """
 
 from .collectives import (

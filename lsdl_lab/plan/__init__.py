@@ -66,13 +66,13 @@ second; throughput 0.81-0.89 of the published), BLOOM-176B (first; 0.84), Llama 
 Modules: :mod:`~lsdl_lab.plan.inputs` (:class:`Model`, :class:`Cluster`,
 :class:`Techniques`), :mod:`~lsdl_lab.plan.estimate` (FLOPs, bytes, communication of one
 configuration), :mod:`~lsdl_lab.plan.search` (:func:`plan`, :class:`Config`,
-:func:`layout_rank`), :mod:`~lsdl_lab.plan.lab` (the world-2 CPU cluster from a measured
-alpha-beta).
+:func:`layout_rank`). The planner at lab scale (the world-2 CPU cluster from a measured
+alpha-beta, set against a measured run) belongs to the book's wing,
+:mod:`lsdl_lab.book.planning`.
 """
 
 from .estimate import communication_times, stage_memory, train_flops_per_token
 from .inputs import Cluster, Model, Techniques
-from .lab import lab_cluster, plan_lab
 from .search import Config, layout_rank, plan
 
 __all__ = [
@@ -81,10 +81,8 @@ __all__ = [
     "Model",
     "Techniques",
     "communication_times",
-    "lab_cluster",
     "layout_rank",
     "plan",
-    "plan_lab",
     "stage_memory",
     "train_flops_per_token",
 ]

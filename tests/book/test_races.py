@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lsdl_lab import optim, races
+from lsdl_lab import optim
+from lsdl_lab.book import races
 
 
 def data(device="cpu"):

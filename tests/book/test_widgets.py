@@ -1,4 +1,4 @@
-"""Tests of lsdl_lab.widgets: the drawing function for every optimizer on every problem,
+"""Tests of lsdl_lab.book.widgets: the drawing function for every optimizer on every problem,
 the mapping of sliders onto optimizer arguments, and the explorer redrawing on change."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from lsdl_lab import optim, problems, widgets  # noqa: E402
+from lsdl_lab import optim  # noqa: E402
+from lsdl_lab.book import problems, widgets  # noqa: E402
 
 PROBLEMS = widgets.default_problems()
 OPTIMIZERS = widgets.default_optimizers()

@@ -12,8 +12,9 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.autograd.functional import hessian  # noqa: E402
 
-from lsdl_lab import optim, problems  # noqa: E402
-from lsdl_lab.problems import PROBLEMS, Problem  # noqa: E402
+from lsdl_lab import optim  # noqa: E402
+from lsdl_lab.book import problems  # noqa: E402
+from lsdl_lab.book.problems import PROBLEMS, Problem  # noqa: E402
 
 ALL = [factory() for factory in PROBLEMS.values()] + [
     problems.quadratic(1000.0, rotation=0.7),

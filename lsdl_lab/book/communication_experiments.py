@@ -6,7 +6,7 @@ top-level function ``fn(rank, world_size, ...)`` that returns plain results (num
 lists, dicts), the same on every rank unless it says otherwise::
 
     from lsdl_lab.distributed import spawn
-    from lsdl_lab.distributed.experiments import collective_times
+    from lsdl_lab.book.communication_experiments import collective_times
     result = spawn(collective_times, 2, [4_000, 400_000, 4_000_000])[0]
 
 * :func:`collective_times`: the hand-built ring and tree all-reduce against
@@ -58,19 +58,19 @@ from ..compress import (
     powersgd_hook,
 )
 from ..data import load_digits
-from ..memory.measure import measure
-from ..parallel import TensorParallelBlock, bubble_fraction, pipeline_step
-from ..scale import capped_examples, capped_steps
-from ..train import accuracy
-from .collectives import ring_all_reduce, tree_all_reduce
-from .cost import (
+from ..distributed.collectives import ring_all_reduce, tree_all_reduce
+from ..distributed.cost import (
     fit_alpha_beta,
     measure_collective,
     ring_all_reduce_time,
     tree_all_reduce_time,
 )
-from .local_sgd import PeriodicAverager, average_parameters, overlap_times
-from .param_server import asynchronous_sgd, synchronous_sgd
+from ..distributed.local_sgd import PeriodicAverager, average_parameters, overlap_times
+from ..distributed.param_server import asynchronous_sgd, synchronous_sgd
+from ..memory.measure import measure
+from ..parallel import TensorParallelBlock, bubble_fraction, pipeline_step
+from ..scale import capped_examples, capped_steps
+from ..train import accuracy
 
 __all__ = [
     "COMPRESSORS",

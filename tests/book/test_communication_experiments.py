@@ -7,8 +7,8 @@ import functools
 import pytest
 import torch
 
+from lsdl_lab.book import communication_experiments as E
 from lsdl_lab.distributed import call_each, spawn
-from lsdl_lab.distributed import experiments as E
 
 NAMES = ["none", "fp16 (torch)", "sign + EF", "random-1% + EF", "PowerSGD r=2"]
 SMALL = functools.partial(E.digits_mlp, 16)

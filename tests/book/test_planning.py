@@ -7,11 +7,18 @@ import statistics
 
 import pytest
 
+from lsdl_lab.book.planning import (
+    lab_cluster,
+    measure_link,
+    plan_lab,
+    planned_run,
+    run_model,
+    step_flop_rate,
+)
 from lsdl_lab.distributed import call_each, spawn
 from lsdl_lab.distributed.cost import AlphaBeta, ring_all_reduce_time
 from lsdl_lab.memory.calculator import gpt_param_shapes
-from lsdl_lab.plan import Model, lab_cluster, plan_lab
-from lsdl_lab.plan.lab import measure_link, planned_run, run_model, step_flop_rate
+from lsdl_lab.plan import Model
 from lsdl_lab.run import Config, run_rank, train
 
 LAB = Model(layers=2, hidden=64, heads=4, seq_len=64, vocab=256, global_batch=8)

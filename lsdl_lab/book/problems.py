@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._util import check_bool, check_int, check_positive, check_real
+from .._util import check_bool, check_int, check_positive, check_real
 
 __all__ = [
     "PROBLEMS",
@@ -386,7 +386,7 @@ def plot_trajectories(problem: Problem, trajectories: dict[str, Tensor], ax=None
     an ``ax`` the paths are drawn onto it as it is (call :func:`plot_problem` on it first
     for the contours). Paths are clipped to the window; returns the axes.
     """
-    from . import plot
+    from .. import plot
 
     _check_problem(problem)
     if not isinstance(trajectories, dict):

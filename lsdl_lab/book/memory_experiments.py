@@ -31,12 +31,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._util import check_choice, check_int, check_positive
+from ..memory.checkpoint import sweep
+from ..memory.measure import SavedTensorBytes, measure
+from ..memory.precision import LossScaler, amp_step
+from ..memory.sharded import ZeroOptimizer
 from ..models import GPT
 from ..scale import capped_steps
-from .checkpoint import sweep
-from .measure import SavedTensorBytes, measure
-from .precision import LossScaler, amp_step
-from .sharded import ZeroOptimizer
 
 __all__ = [
     "PRECISION_MODES",

@@ -1,10 +1,10 @@
 """Interactive explorers for the labs (ipywidgets), each built on a plain drawing function.
 
-:func:`optimizer_explorer` lets a reader pick a 2-D problem (:mod:`lsdl_lab.problems`) and
+:func:`optimizer_explorer` lets a reader pick a 2-D problem (:mod:`lsdl_lab.book.problems`) and
 an optimizer (:mod:`lsdl_lab.optim`), move sliders for the learning rate, the momentum and
 the two decay rates, and watch the path the optimizer takes on the contour plot::
 
-    from lsdl_lab import widgets
+    from lsdl_lab.book import widgets
     widgets.optimizer_explorer()
 
 The picture itself is drawn by :func:`draw`, an ordinary function of the slider values and
@@ -28,9 +28,9 @@ from functools import partial
 
 import torch
 
-from . import optim
+from .. import optim
+from .._util import check_choice, check_int
 from . import problems as _problems
-from ._util import check_choice, check_int
 
 __all__ = [
     "default_optimizers",
@@ -144,7 +144,7 @@ def draw(
     The slider values are mapped onto the optimizer's own arguments by
     :func:`optimizer_arguments`. Returns the path, a ``(n, 2)`` float64 tensor: the start
     and the point after each step, cut short where the iterates overflowed
-    (:func:`lsdl_lab.problems.trajectory`). The title reports the final gap
+    (:func:`lsdl_lab.book.problems.trajectory`). The title reports the final gap
     :math:`f(w_T) - f^\\star` or the step at which the run diverged.
     """
     problems = default_problems() if problems is None else problems
@@ -180,15 +180,16 @@ def _png(fig) -> str:
 def optimizer_explorer(problems: dict | None = None, optimizers: dict | None = None):
     """An explorer of optimizer paths on 2-D problems: returns an ipywidgets ``HBox``.
 
-    Dropdowns choose the problem (from ``problems``, name to :class:`~lsdl_lab.problems.Problem`;
-    default :func:`default_problems`) and the optimizer (from ``optimizers``, name to an
-    optimizer class; default :func:`default_optimizers`); sliders set the learning rate
-    (log scale), momentum, :math:`\\beta_1`, :math:`\\beta_2` and the number of steps.
-    Choosing another problem or optimizer resets the learning rate to
-    :func:`suggested_lr`. Each change redraws the picture. The box holds the controls on
-    the left and the picture on the right; ``box.controls`` maps the names of
-    :func:`draw`'s arguments to their widgets, ``box.output`` is the ``Output`` widget that
-    shows the latest picture and ``box.redraws`` counts the pictures drawn.
+    Dropdowns choose the problem (from ``problems``, name to
+    :class:`~lsdl_lab.book.problems.Problem`; default :func:`default_problems`) and the
+    optimizer (from ``optimizers``, name to an optimizer class; default
+    :func:`default_optimizers`); sliders set the learning rate (log scale), momentum,
+    :math:`\\beta_1`, :math:`\\beta_2` and the number of steps. Choosing another problem or
+    optimizer resets the learning rate to :func:`suggested_lr`. Each change redraws the
+    picture. The box holds the controls on the left and the picture on the right;
+    ``box.controls`` maps the names of :func:`draw`'s arguments to their widgets,
+    ``box.output`` is the ``Output`` widget that shows the latest picture and
+    ``box.redraws`` counts the pictures drawn.
     """
     import ipywidgets as widgets
     from matplotlib.figure import Figure

@@ -5,7 +5,7 @@ per configuration and one column per category, as an HTML table: it shows in a s
 as it does in Jupyter. :func:`calculator_form` puts controls for every argument of the
 calculator above such a table and redraws it on each change; the table lives in an
 ``Output`` widget, so the last one drawn is kept in the notebook's widget state and a
-static page still shows it (as :func:`lsdl_lab.widgets.optimizer_explorer` keeps its
+static page still shows it (as :func:`lsdl_lab.book.widgets.optimizer_explorer` keeps its
 picture). :func:`trade_offs` computes the rows of the trade-off map: every ZeRO stage with
 every recomputation policy.
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import html
 from collections.abc import Mapping
 
-from .calculator import OPTIMIZERS, PRECISIONS, RECOMPUTE, GPTShape, gpt_memory
-from .zero import ZERO_STAGES
+from ..memory.calculator import OPTIMIZERS, PRECISIONS, RECOMPUTE, GPTShape, gpt_memory
+from ..memory.zero import ZERO_STAGES
 
 __all__ = ["COLUMNS", "calculator_form", "memory_table", "trade_offs"]
 

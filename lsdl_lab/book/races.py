@@ -35,10 +35,10 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ._util import check_int, check_real
-from .memory.measure import measure
-from .optim.second_order import SecondOrderOptimizer
-from .scale import capped_steps
+from .._util import check_int, check_real
+from ..memory.measure import measure
+from ..optim.second_order import SecondOrderOptimizer
+from ..scale import capped_steps
 
 __all__ = ["Run", "race", "relative_cost", "state_bytes", "train_run"]
 

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
+from lsdl_lab.book.memory_form import calculator_form, memory_table, trade_offs
 from lsdl_lab.memory import GPTShape, gpt_memory, zero_bytes
-from lsdl_lab.memory.form import calculator_form, memory_table, trade_offs
 
 SHAPE = GPTShape(4, 64, 4, 32, 2, 100)
 

@@ -13,9 +13,7 @@ import torch.distributed as dist
 
 from .._util import check_int, check_positive
 from ..distributed.cost import AlphaBeta, fit_alpha_beta, measure_collective, ring_all_reduce_time
-from .estimate import train_flops_per_token
-from .inputs import Cluster, Model, Techniques
-from .search import Config, plan
+from ..plan import Cluster, Config, Model, Techniques, plan, train_flops_per_token
 
 __all__ = [
     "lab_cluster",
@@ -118,10 +116,10 @@ def plan_lab(
     devices: int = 2,
     techniques: Techniques | None = None,
 ) -> list[Config]:
-    """:func:`plan` for the lab's world (``devices`` processes on one CPU, gloo) from a
-    measured alpha-beta ``link`` and FLOP rate, in float32 by default (the lab's
-    precision). ``tests/plan/test_lab.py`` checks it on given alpha and beta, and against
-    a measured world-2 run of the entry point (Chapter 9's table does too)."""
+    """:func:`~lsdl_lab.plan.plan` for the lab's world (``devices`` processes on one CPU,
+    gloo) from a measured alpha-beta ``link`` and FLOP rate, in float32 by default (the
+    lab's precision). ``tests/book/test_planning.py`` checks it on given alpha and beta,
+    and against a measured world-2 run of the entry point (Chapter 9's table does too)."""
     techniques = techniques or Techniques(precision="fp32")
     cluster = lab_cluster(link, devices=devices, memory=memory, peak_flops=peak_flops)
     return plan(model, cluster, techniques)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lsdl_lab import optim
-from lsdl_lab.memory import experiments, gpt_memory, theoretical_peak, zero_bytes
+from lsdl_lab.book import memory_experiments as experiments
+from lsdl_lab.memory import gpt_memory, theoretical_peak, zero_bytes
 from lsdl_lab.memory.calculator import GPTShape
 from lsdl_lab.models import GPT
 
