@@ -25,10 +25,12 @@ Because the batch is a function of the step (a :class:`lsdl_lab.data.BatchSource
 function of the step) and the checkpoint holds the model, the optimizer, the scheduler,
 the random number generators and the history, a run stopped and resumed from its
 checkpoint computes exactly what an uninterrupted run computes (bit for bit on CPU;
-tested in ``tests/test_train.py``). Checkpoints are written atomically (a temporary file,
-``fsync``, rename), so a run killed while saving never leaves half a checkpoint, and hold
-only tensors and plain containers, so they load with ``torch.load(..., weights_only=True)``
-(a checkpoint from elsewhere cannot run code when it is loaded).
+tested in ``tests/test_train.py``). Checkpoints are files of :mod:`lsdl_lab.checkpoint`:
+written atomically (a temporary file, ``fsync``, rename, by rank 0 of a world), so a run
+killed while saving never leaves half a checkpoint, and holding only tensors and plain
+containers, so they load with ``torch.load(..., weights_only=True)`` (a checkpoint from
+elsewhere cannot run code when it is loaded). The entry point (:mod:`lsdl_lab.run`) runs
+this same loop with a step of :mod:`lsdl_lab.steps` and a :class:`Checkpoint` of its own.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import checkpoint as files
 from ._util import (
-    atomic_path,
     check_bool,
     check_choice,
     check_int,
@@ -59,9 +61,12 @@ from .data import BatchSource
 from .scale import capped_steps
 
 __all__ = [
+    "Checkpoint",
     "Classification",
+    "FileCheckpoint",
     "History",
     "LanguageModeling",
+    "LossFunction",
     "NonFiniteLossError",
     "StatefulStep",
     "StepResult",
@@ -69,8 +74,6 @@ __all__ = [
     "accuracy",
     "evaluate",
     "fit",
-    "load_checkpoint",
-    "save_checkpoint",
     "train_step",
 ]
 
@@ -165,6 +168,28 @@ class LanguageModeling(Task):
     def summarize(self, loss_sum, n, counts) -> dict[str, float]:
         loss = loss_sum / n
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+class LossFunction(Task):
+    """Any loss function of ``(output, target)`` as a task (a step's pieces take a task,
+    :mod:`lsdl_lab.steps`): an example is a row of the target; its only metric is the
+    loss."""
+
+    name = "loss"
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        if not callable(loss_fn):
+            raise TypeError(f"Invalid loss_fn: a {type(loss_fn).__name__} (expected a function)")
+        self.loss_fn = loss_fn
+
+    def loss(self, output, target):
+        return self.loss_fn(output, target)
+
+    def examples(self, target) -> int:
+        return target.shape[0]
+
+    def summarize(self, loss_sum, n, counts) -> dict[str, float]:
+        return {"loss": loss_sum / n}
 
 
 TASKS = {"classification": Classification, "language_modeling": LanguageModeling}
@@ -341,63 +366,67 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def save_checkpoint(path, **state) -> Path:
-    """``torch.save(state)`` to ``path``, atomically (temporary file, fsync, rename).
+class Checkpoint(abc.ABC):
+    """Where :func:`fit` saves its state and from where it resumes. :class:`FileCheckpoint`
+    is fit's own (one file of the model, optimizer, scheduler, step function, history and
+    random states); a run that keeps its state otherwise (the entry point: whole states
+    keyed by parameter name, loadable under any parallelism and world size) passes one of
+    its own."""
 
-    ``state`` should hold only tensors, numbers, strings, ``None`` and lists, tuples or
-    dicts of them (what ``state_dict()`` methods return), so that :func:`load_checkpoint`
-    can read it with ``weights_only=True``."""
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
-    return Path(path)
+    @abc.abstractmethod
+    def save(self, step: int, history: History, elapsed: float) -> None:
+        """Save the state after ``step`` steps, with the history and the elapsed time."""
+
+    @abc.abstractmethod
+    def restore(self) -> tuple[History, int, float] | None:
+        """Load the saved state into the run's parts and return (history, step, elapsed
+        time), or None when there is nothing to resume from."""
 
 
-def load_checkpoint(path, map_location=None) -> dict:
-    """Read a checkpoint with ``torch.load(..., weights_only=True)``: tensors and plain
-    containers only, so a checkpoint from elsewhere cannot run code when it is loaded (a
-    full unpickle can). A file that cannot be read so is a ``RuntimeError`` naming it."""
-    path = Path(path)
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # torch.load raises pickle, zip and EOF errors of many kinds
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RuntimeError(
-            f"checkpoint {path} could not be read with weights_only=True ({first}): it is "
-            "truncated or corrupt, or holds objects other than tensors and plain "
-            "containers; delete it to start the run afresh"
-        ) from e
+class FileCheckpoint(Checkpoint):
+    """:func:`fit`'s checkpoint: one file (:mod:`lsdl_lab.checkpoint`, format
+    :data:`FORMAT`) holding each of ``parts``' ``state_dict()``, the history, the step, the
+    elapsed time and the random number generators' states."""
+
+    FORMAT = "lsdl_lab.fit/1"
+
+    def __init__(self, path, parts: dict, device=None):
+        self.path, self.parts, self.device = Path(path), parts, device
+
+    def save(self, step: int, history: History, elapsed: float) -> None:
+        states = {name: part.state_dict() for name, part in self.parts.items()}
+        files.save(
+            self.path,
+            self.FORMAT,
+            **states,
+            history=history.state_dict(),
+            step=step,
+            elapsed=elapsed,
+            rng=_rng_state(),
+        )
+
+    def restore(self) -> tuple[History, int, float] | None:
+        if not self.path.exists():
+            return None
+        state = files.load(self.path, self.FORMAT, map_location=self.device)
+        for name, part in self.parts.items():
+            if state.get(name) is None:
+                raise ValueError(
+                    f"checkpoint {self.path} holds no {name} state, but this run has one; "
+                    "resume with the same kind of run that wrote it, or delete it to start "
+                    "afresh"
+                )
+            part.load_state_dict(state[name])
+        _set_rng_state(state["rng"])
+        return History.from_state_dict(state["history"]), state["step"], state["elapsed"]
 
 
 def _stateful(model, optimizer, scheduler, step) -> dict:
-    """What a checkpoint holds besides the history, the step count and the RNG states."""
+    """What fit's checkpoint holds besides the history, the step count and the RNG states."""
     parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     if isinstance(step, StatefulStep):
         parts["step_fn"] = step
     return {name: part for name, part in parts.items() if part is not None}
-
-
-def _save(path, parts: dict, history: History, step: int, elapsed: float) -> None:
-    states = {name: part.state_dict() for name, part in parts.items()}
-    save_checkpoint(
-        path, **states, history=history.state_dict(), step=step, elapsed=elapsed, rng=_rng_state()
-    )
-
-
-def _restore(path, parts: dict, device) -> tuple[History, int, float]:
-    """Load what :func:`_save` wrote into ``parts``; return the history, the step and the
-    elapsed time."""
-    state = load_checkpoint(path, map_location=device)
-    for name, part in parts.items():
-        if state.get(name) is None:
-            raise ValueError(
-                f"checkpoint {path} holds no {name} state, but this run has one; resume with "
-                "the same kind of run that wrote it, or delete it to start afresh"
-            )
-        part.load_state_dict(state[name])
-    _set_rng_state(state["rng"])
-    return History.from_state_dict(state["history"]), state["step"], state["elapsed"]
 
 
 # -- the loop ------------------------------------------------------------------------------
@@ -479,6 +508,7 @@ def _log_record(
         record["epoch"] = step / when.steps_per_epoch
     record.update(window.summarize(task))
     record.pop("perplexity", None)  # a windowed training perplexity misleads; eval has it
+    record["examples"] = window.n
     record["examples_per_s"] = window.n / max(time.perf_counter() - window.start, 1e-9)
     return record
 
@@ -497,12 +527,13 @@ def fit(
     scheduler=None,
     device=None,
     log_every: int | None = None,
-    checkpoint: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | Checkpoint | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
     progress: bool = True,
     callback: Callable[[int, History], None] | None = None,
     desc: str | None = None,
+    grad_norm: bool = True,
 ) -> History:
     """Train ``model`` for ``steps`` optimizer steps (or ``epochs`` passes) and return its history.
 
@@ -512,26 +543,34 @@ def fit(
     ``scheduler.step()``. Logged training metrics are averages over the last ``log_every``
     steps (default: a hundred records a run); ``eval_batches`` is evaluated every
     ``eval_every`` steps (default: once an epoch, else ten times a run) and after the last
-    step. With ``checkpoint`` set, the state is saved every ``checkpoint_every`` steps and
-    at the end; ``resume=True`` continues from that file when it exists.
+    step. With ``checkpoint`` set (a file path, for a :class:`FileCheckpoint`, or a
+    :class:`Checkpoint`), the state is saved every ``checkpoint_every`` steps and at the
+    end; ``resume=True`` continues from it when there is one. ``grad_norm=False`` records
+    no gradient norm unless the step reports one (measuring it reads every gradient; a
+    sharded one, through collectives).
     ``callback(t, history)`` runs after each step (a lab can stop a run early by raising
     from it).
     """
     task = _task(task)
     when = _Schedule.of(batches, steps, epochs, log_every, eval_every, checkpoint_every)
     if checkpoint_every is not None and checkpoint is None:
-        raise ValueError("checkpoint_every= needs checkpoint= (a file path)")
+        raise ValueError("checkpoint_every= needs checkpoint= (a file path or a Checkpoint)")
     if not callable(step):
         raise TypeError(f"Invalid step: a {type(step).__name__} (expected a step function)")
     check_bool("resume", resume)
     check_bool("progress", progress)
+    check_bool("grad_norm", grad_norm)
 
     device = torch.device(device) if device is not None else device_of(model)
     model.to(device)
     history, start, elapsed = History(), 0, 0.0
-    parts = _stateful(model, optimizer, scheduler, step)
-    if resume and checkpoint is not None and Path(checkpoint).exists():
-        history, start, elapsed = _restore(checkpoint, parts, device)
+    if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+        checkpoint = FileCheckpoint(
+            checkpoint, _stateful(model, optimizer, scheduler, step), device
+        )
+    restored = checkpoint.restore() if resume and checkpoint is not None else None
+    if restored is not None:
+        history, start, elapsed = restored
     model.train()
     window = _Totals()
     bar = tqdm(
@@ -557,8 +596,10 @@ def fit(
         elapsed += time.perf_counter() - t0
         done = t + 1
         if when.due(when.log_every, done):
-            grad_norm = _grad_norm(model) if result.grad_norm is None else float(result.grad_norm)
-            record = _log_record(window, task, done, elapsed, lr, grad_norm, when)
+            norm = float(result.grad_norm) if result.grad_norm is not None else None
+            if norm is None and grad_norm:
+                norm = _grad_norm(model)
+            record = _log_record(window, task, done, elapsed, lr, norm, when)
             history.train.append(record)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
             window = _Totals()
@@ -567,7 +608,7 @@ def fit(
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
             history.eval.append({"step": done, "time": elapsed, **metrics})
         if checkpoint is not None and when.due(when.checkpoint_every, done):
-            _save(checkpoint, parts, history, done, elapsed)
+            checkpoint.save(done, history, elapsed)
         if callback is not None:
             callback(done, history)
     bar.close()

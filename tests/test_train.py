@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lsdl_lab import models, train
+from lsdl_lab import checkpoint, models, train
 from lsdl_lab.data import BatchSource
 
 
@@ -155,7 +155,7 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path):
 def test_checkpoint_is_atomic(tmp_path, monkeypatch):
     """A save that dies midway leaves the previous checkpoint intact and no temp file."""
     path = tmp_path / "c.pt"
-    train.save_checkpoint(path, value=torch.tensor(1.0))
+    checkpoint.save(path, "test/1", value=torch.tensor(1.0))
 
     def dying_save(obj, f):
         Path(f).write_bytes(b"partial")
@@ -163,17 +163,17 @@ def test_checkpoint_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        train.save_checkpoint(path, value=torch.tensor(2.0))
+        checkpoint.save(path, "test/1", value=torch.tensor(2.0))
     monkeypatch.undo()
-    assert train.load_checkpoint(path)["value"].item() == 1.0
+    assert checkpoint.load(path, "test/1")["value"].item() == 1.0
     assert os.listdir(tmp_path) == ["c.pt"]
 
 
 def test_corrupt_checkpoint_says_what_to_do(tmp_path):
     path = tmp_path / "c.pt"
     path.write_bytes(b"not a checkpoint")
-    with pytest.raises(RuntimeError, match="delete it"):
-        train.load_checkpoint(path)
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt or truncated.*delete it"):
+        checkpoint.load(path)
 
 
 class _Payload:
@@ -200,8 +200,9 @@ def test_checkpoints_load_with_weights_only(tmp_path, device):
 
     evil = tmp_path / "evil.pt"
     torch.save({"model": model.state_dict(), "x": _Payload()}, evil)
-    with pytest.raises(RuntimeError, match=f"checkpoint {evil} could not be read with "):
-        train.load_checkpoint(evil)
+    message = f"checkpoint {evil} cannot be read: it holds objects other than tensors"
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+        checkpoint.load(evil)
     model, opt, sched = make_resnet()
     with pytest.raises(RuntimeError, match="weights_only=True"):
         train.fit(model, opt, batches, steps=4, progress=False, checkpoint=evil, resume=True)

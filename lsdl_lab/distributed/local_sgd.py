@@ -21,7 +21,6 @@ for fewer or cheaper rounds:
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -31,6 +30,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._util import check_int, check_positive
+from ..steps import accumulate
+from ..train import LossFunction
 
 __all__ = [
     "PeriodicAverager",
@@ -52,20 +53,14 @@ def accumulate_gradients(
 
     the gradient of the mean loss over all W k micro-batches (of equal size), as one
     large batch would give it. The first k - 1 backward passes run under ``no_sync()``;
-    the last one triggers DDP's all-reduce of the accumulated ``.grad``. Returns this
-    rank's mean loss. Gradients add to what ``.grad`` holds: zero them before.
+    the last one triggers DDP's all-reduce of the accumulated ``.grad``: the piece
+    :func:`lsdl_lab.steps.accumulate` of every run's step. Returns this rank's mean loss.
+    Gradients add to what ``.grad`` holds: zero them before.
     """
-    k = len(micro_batches)
-    if k < 1:
+    if len(micro_batches) < 1:
         raise ValueError("Invalid micro_batches: empty (expected at least one (x, y) pair)")
-    total = 0.0
-    for j, (x, y) in enumerate(micro_batches):
-        last = j == k - 1
-        with contextlib.nullcontext() if last else ddp.no_sync():
-            loss = loss_fn(ddp(x), y) / k
-            loss.backward()
-        total += loss.item()
-    return total
+    loss, _, _ = accumulate(ddp, list(micro_batches), LossFunction(loss_fn))
+    return loss.item()
 
 
 def average_parameters(parameters: Iterable[torch.Tensor], group=None) -> None:

@@ -24,7 +24,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from .._util import check_choice, check_int, check_positive, check_real, device_of, generator
+from .._util import check_choice, check_int, check_positive, check_real, generator
+from ..steps import accumulate, update
+from ..train import LossFunction
 
 __all__ = [
     "LossScaler",
@@ -201,29 +203,21 @@ def amp_step(
     scaler: LossScaler | None = None,
     scheduler=None,
 ) -> float:
-    """One mixed-precision step (Micikevicius et al. 2018): forward under
-    ``torch.autocast`` in ``dtype`` (bfloat16 or float16, on the model's device, CPU or
+    """One mixed-precision step (Micikevicius et al. 2018): forward and loss under
+    ``torch.autocast`` in ``dtype`` (bfloat16 or float16, on the batch's device, CPU or
     CUDA), the loss in float32, backward, and the optimizer's step on the float32
     parameters, which are the master weights. With a ``scaler`` the loss is scaled, a
     step with inf/NaN gradients is skipped, and ``scheduler`` (if any) advances only on
-    steps taken. Returns the (unscaled) loss.
+    steps taken. Returns the (unscaled) loss. The pieces are those of every run's step
+    (:mod:`lsdl_lab.steps`): :func:`~lsdl_lab.steps.accumulate` of one micro-batch, then
+    :func:`~lsdl_lab.steps.update`.
     """
     check_choice("dtype", dtype, (torch.bfloat16, torch.float16))
     if scaler is not None and not isinstance(scaler, LossScaler):
         raise TypeError(f"Invalid scaler: a {type(scaler).__name__} (expected a LossScaler)")
-    x, y = batch
     optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(device_of(model).type, dtype=dtype):
-        output = model(x)
-    loss = loss_fn(output.float(), y)
-    if scaler is None:
-        loss.backward()
-        optimizer.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    if scheduler is not None and not (scaler is not None and scaler.skipped):
+    loss, _, _ = accumulate(model, [batch], LossFunction(loss_fn), dtype=dtype, scaler=scaler)
+    if update(optimizer, scaler) and scheduler is not None:
         scheduler.step()
     return loss.item()
 

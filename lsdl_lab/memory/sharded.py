@@ -339,6 +339,63 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 out.extend(view.clone() for view in unit.views(flat[: unit.numel]))
         return out
 
+    def full_state_dict(self) -> dict:
+        """The wrapped optimizer's state as one process's optimizer over
+        ``model.parameters()`` would hold it: each unit's state cut back into its
+        parameters' shapes (the shards all-gathered: a collective, every rank calls it),
+        a number or 0-d tensor repeated for each parameter; one parameter group, indexed
+        as ``model.parameters()``. A plain optimizer of the wrapped class loads it, and so
+        does :meth:`load_full_state_dict` at any world size and stage."""
+        state, index = {}, 0
+        for unit in self.units:
+            for key, value in self.state.get(unit.stepped, {}).items():
+                for i, piece in enumerate(self._whole(unit, key, value)):
+                    state.setdefault(index + i, {})[key] = piece
+            index += len(unit.params)
+        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        return {"state": state, "param_groups": [hyper | {"params": list(range(index))}]}
+
+    def _whole(self, unit: _Unit, key: str, value) -> list:
+        """A unit's state ``value`` for each of its parameters: a shard all-gathered and
+        cut into the parameters' shapes; a number or 0-d tensor repeated."""
+        if not torch.is_tensor(value) or value.ndim == 0:
+            return [value] * len(unit.params)
+        if value.shape != unit.stepped.shape:
+            raise ValueError(
+                f"{type(self.optimizer).__name__}'s state {key!r} is not shaped like its "
+                "shard; ZeRO cannot gather it"
+            )
+        flat = value.new_empty(unit.padded)
+        all_gather_single(flat, value.detach().contiguous(), group=self.group)
+        return [view.clone() for view in unit.views(flat[: unit.numel])]
+
+    def load_full_state_dict(self, state: dict) -> None:
+        """Load a state in the layout of :meth:`full_state_dict` (one process's, indexed
+        as ``model.parameters()``): this rank keeps its slice of each unit's state."""
+        groups, n = state["param_groups"], sum(len(u.params) for u in self.units)
+        if len(groups) != 1 or sorted(groups[0]["params"]) != list(range(n)):
+            raise ValueError(
+                f"Invalid state: for other parameters (expected one group of this model's "
+                f"{n} parameters)"
+            )
+        self.param_groups[0].update({k: v for k, v in groups[0].items() if k != "params"})
+        index = 0
+        for unit in self.units:
+            per_param = [state["state"].get(index + i, {}) for i in range(len(unit.params))]
+            index += len(unit.params)
+            keys = set(per_param[0])
+            if any(set(s) != keys for s in per_param):
+                raise ValueError("Invalid state: its keys differ between a unit's parameters")
+            target = self.state[unit.stepped]
+            for key in keys:
+                first = per_param[0][key]
+                if not torch.is_tensor(first) or first.ndim == 0:
+                    target[key] = first
+                    continue
+                flat = torch.zeros(unit.padded, dtype=first.dtype, device=first.device)
+                flat[: unit.numel] = torch.cat([s[key].reshape(-1) for s in per_param])
+                target[key] = flat[unit.own].to(unit.stepped.device, copy=True)
+
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, by :func:`~lsdl_lab.memory.measure` over the model, the
         shards and the wrapped optimizer's state (each storage once; stage 1 and 2 shards

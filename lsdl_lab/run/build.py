@@ -4,9 +4,9 @@ the model (:mod:`lsdl_lab.models`), the batches (:mod:`lsdl_lab.data`), the opti
 
 The batches are a function of the step (a :class:`~lsdl_lab.data.BatchSource` of
 ``global_batch`` examples): every rank reads the same global batch of step ``t`` and keeps
-its own ``1/world`` slice, cut into micro-batches. A run on one process and a run on N
-ranks therefore see the same examples at every step, and a resumed run the same as an
-uninterrupted one.
+its own ``1/world`` slice, which its step cuts into micro-batches. A run on one process
+and a run on N ranks therefore see the same examples at every step, and a resumed run the
+same as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..scale import Profile, current
 from ..train import Classification, LanguageModeling, Task
 from .config import Config
 
-__all__ = ["Built", "build", "make_optimizer", "make_schedule", "rank_slice"]
+__all__ = ["Built", "build", "make_schedule", "optimizer_class"]
 
 TEXT_DATASETS = ("python_source", "tiny_shakespeare")
 
@@ -91,15 +91,6 @@ def build(config: Config, device: torch.device) -> Built:
     return Built(model.to(device=device, dtype=dtype), batches, task, P, blocks)
 
 
-def rank_slice(batch: tuple, rank: int, world: int, micro_batch: int) -> list[tuple]:
-    """This rank's ``1/world`` of the global ``batch``, cut into micro-batches of
-    ``micro_batch`` examples (a list of ``(x, y)`` pairs)."""
-    x, y = batch
-    per_rank = len(x) // world
-    x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
-    return list(zip(x.split(micro_batch), y.split(micro_batch)))
-
-
 # Optimizers whose update of a parameter depends on the whole parameter (a norm per layer,
 # factored or blocked statistics): ZeRO's flat shards would change their mathematics.
 WHOLE_TENSOR = ("LARS", "LAMB", "Adafactor", "SM3", "Shampoo")
@@ -117,12 +108,6 @@ def optimizer_class(config: Config) -> tuple[type[torch.optim.Optimizer], dict]:
             "has no weight decay)"
         )
     return cls, kwargs
-
-
-def make_optimizer(config: Config, params) -> torch.optim.Optimizer:
-    """``config``'s optimizer over ``params``."""
-    cls, kwargs = optimizer_class(config)
-    return cls(params, **kwargs)
 
 
 def make_schedule(config: Config):

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from .._util import check_int, check_positive
+from ..checkpoint import CheckpointError
 from ..distributed.world import spawn
 from ..train import NonFiniteLossError
-from .checkpoint import CheckpointError
 from .config import Config, load_config
 from .loop import train
 from .metrics import read_metrics

@@ -9,15 +9,19 @@ only where ZeRO, FSDP2 or a compression hook need one). The device and backend a
 and NCCL where the machine has a GPU for each of its ranks, else the CPU and gloo (a
 world of 2 on a one-GPU machine runs on the CPU); the run's first line says which.
 
-A step: every rank reads the global batch of step ``t``, keeps its slice, runs its
-micro-batches (forward under autocast when ``precision`` says so, the loss divided by the
-number of micro-batches, backward; only the last micro-batch's backward communicates),
-then one all-reduce of (loss, non-finite flag) tells every rank the global loss and
-whether any rank's loss was NaN or infinite: then every rank raises
-:class:`~lsdl_lab.train.NonFiniteLossError` naming the step, before the update, and no
-rank is left waiting in a collective. Otherwise the optimizer steps (through the loss
-scaler with fp16), the schedule advances, a metrics record is written every
-``log_every`` steps and a checkpoint every ``checkpoint_every`` steps and at the end.
+The run is :func:`lsdl_lab.train.fit`, the library's one training loop, with the step
+:class:`lsdl_lab.steps.DataParallelStep`: every rank reads the global batch of step ``t``
+and keeps its slice (:class:`_RankBatches`), runs its micro-batches (forward under
+autocast when ``precision`` says so, the loss divided by the number of micro-batches,
+backward; only the last micro-batch's backward communicates), then one all-reduce of
+(loss, non-finite flag) tells every rank the global loss and whether any rank's loss was
+NaN or infinite: then every rank raises :class:`~lsdl_lab.train.NonFiniteLossError`
+naming the step, before the update, and no rank is left waiting in a collective.
+Otherwise the optimizer steps (through the loss scaler with fp16) and the schedule
+advances. What is the run's own: the model wrapped by :func:`.parallel.parallelize` and
+the optimizer built once after it, a metrics record every ``log_every`` steps
+(:class:`_Records`, fit's callback) and a checkpoint every ``checkpoint_every`` steps and
+at the end (:class:`RunCheckpoint`, the checkpoint fit is given).
 
 In a dry run (:mod:`lsdl_lab.scale`; the caps reach every rank through the environment,
 which ``torchrun`` and :func:`lsdl_lab.distributed.spawn` pass on) the run stops after
@@ -27,32 +31,40 @@ most ``LSDL_MAX_EXAMPLES`` examples, cut into as many micro-batches as the confi
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import signal
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm.auto import tqdm
 
+from .. import checkpoint as files
 from .._util import seed_from
 from ..distributed.world import Placement, free_port, init_from_env, placement
 from ..memory import LossScaler, checkpoint_sequential, mixed_precision_for
 from ..scale import capped_steps
-from ..train import NonFiniteLossError
-from . import checkpoint
-from .build import build, make_schedule, rank_slice
+from ..steps import DataParallelStep
+from ..train import Checkpoint, History, fit
+from .build import build, make_schedule
 from .config import Config
 from .metrics import MetricsLog, read_metrics
-from .parallel import make_strategy
+from .parallel import (
+    CollectiveBytes,
+    build_optimizer,
+    full_state,
+    load_full_optimizer_state,
+    model_states,
+    parallelize,
+)
 
-__all__ = ["Checkpointed", "train"]
+__all__ = ["FORMAT", "Checkpointed", "RunCheckpoint", "train"]
 
 CHECKPOINT, METRICS, CONFIG = "checkpoint.pt", "metrics.jsonl", "config.yaml"
+# The run's checkpoint format and the keys it must hold (RunCheckpoint)
+FORMAT = "lsdl_lab.run/1"
+KEYS = ("format", "step", "model", "optimizer", "scheduler", "world_size", "parallel", "config")
 
 
 class Checkpointed(nn.Sequential):
@@ -176,10 +188,134 @@ def _gather(world: int, value) -> list:
     return out
 
 
+class RunCheckpoint(Checkpoint):
+    """The run's checkpoint (:mod:`lsdl_lab.checkpoint`, format :data:`FORMAT`): the whole
+    model and the optimizer state keyed by parameter name (:func:`.parallel.full_state`),
+    the scheduler and the loss scaler, the step, the elapsed time and where it was
+    written. Loadable under any parallel mode and world size: the model's weights are
+    loaded into the unwrapped model before it is parallelized (``state``, read once by
+    :func:`_run`), the rest by :meth:`restore`."""
+
+    def __init__(self, path, state, model, optimizer, scheduler, step, config, world):
+        self.path, self.state, self.config, self.world = path, state, config, world
+        self.model, self.optimizer, self.scheduler, self.step = model, optimizer, scheduler, step
+
+    def save(self, step: int, history, elapsed: float) -> None:
+        model_state, optimizer_state = full_state(self.model, self.optimizer)  # collective
+        files.save(
+            self.path,
+            FORMAT,
+            step=step,
+            elapsed=elapsed,
+            model=model_state,
+            optimizer=optimizer_state,
+            scheduler=self.scheduler.state_dict(),
+            scaler=self.step.state_dict()["scaler"],
+            world_size=self.world,
+            parallel=self.config.parallel,
+            config=self.config.to_dict(),
+        )
+
+    def restore(self):
+        if self.state is None:
+            return None
+        load_full_optimizer_state(self.model, self.optimizer, self.state["optimizer"])
+        self.scheduler.load_state_dict(self.state["scheduler"])
+        self.step.load_state_dict({"scaler": self.state.get("scaler", {})})
+        return History(), self.state["step"], float(self.state.get("elapsed", 0.0))
+
+
+def _load(path: Path, resume: bool) -> dict | None:
+    """The checkpoint to resume from, read once (every rank reads it), or None."""
+    if not (resume and path.exists()):
+        return None
+    state = files.load(path, FORMAT)
+    missing = [k for k in KEYS if k not in state]
+    if missing:
+        raise files.CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}")
+    return state
+
+
+class _RankBatches:
+    """The batches of this rank: its ``1/world`` of the global batch of step ``t``.
+    Reading step ``t``'s batch also seeds the step's random numbers (dropout) from (seed,
+    step, rank), so a resumed run draws what an uninterrupted one draws, and runs the
+    config's injected kill (a test's fault: rank ``kill_rank`` dies by SIGKILL once, at
+    step ``kill_at_step``, as a machine failure would, with no cleanup). It remembers the
+    step, for the injected NaN."""
+
+    def __init__(self, batches, config: Config, rank: int, world: int, out: Path):
+        self.batches, self.config, self.rank, self.world, self.out = (
+            batches,
+            config,
+            rank,
+            world,
+            out,
+        )
+        self.t = -1
+
+    def __call__(self, t: int) -> tuple:
+        self.t = t
+        _inject_kill(self.config, self.rank, t, self.out)
+        torch.manual_seed(seed_from("run", self.config.seed, t, self.rank))
+        x, y = self.batches(t)
+        per_rank = len(x) // self.world
+        part = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+        return x[part], y[part]
+
+    def poisoned(self) -> bool:
+        """Whether this step's loss is to become NaN (``nan_at_step``, ``nan_rank``)."""
+        return self.t == self.config.nan_at_step and self.rank == self.config.nan_rank
+
+
+class _Records:
+    """fit's callback: at each logging step, the run's metrics record (the loss, rate
+    and time fit logged, and every rank's bytes handed to collectives and bytes held,
+    gathered), appended to ``metrics.jsonl`` by rank 0. Every rank calls it after every
+    step (the gathering is a collective)."""
+
+    def __init__(self, config, world, rank, model, optimizer, counter, scaler, path, state):
+        self.config, self.world, self.model, self.optimizer = config, world, model, optimizer
+        self.counter, self.scaler = counter, scaler
+        start = state["step"] if state is not None else 0
+        self.log = MetricsLog(path, rank == 0, start)
+        elapsed = float(state.get("elapsed", 0.0)) if state is not None else 0.0
+        self.last = {"step": start, "time": elapsed, "bytes": 0}
+
+    def __call__(self, done: int, history: History) -> None:
+        if not history.train or history.train[-1]["step"] != done:
+            return
+        logged = history.train[-1]
+        memory = model_states(self.model, self.optimizer)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+        sent = self.counter.bytes
+        per_rank = _gather(self.world, (sent, sent - self.last["bytes"], memory))
+        steps = done - self.last["step"]
+        seconds = logged["time"] - self.last["time"]
+        record = {
+            "step": done,
+            "loss": logged["loss"],
+            "lr": logged["lr"],
+            "time_s": logged["time"],
+            "step_time_s": seconds / steps,
+            "examples_per_s": logged["examples"] / max(seconds, 1e-9),
+            "world_size": self.world,
+            "parallel": self.config.parallel,
+            "bytes_sent": [b for b, _, _ in per_rank],
+            "bytes_per_step": [w / steps for _, w, _ in per_rank],
+            "memory": [m for _, _, m in per_rank],
+        }
+        if self.scaler is not None:
+            record["loss_scale"] = self.scaler.get_scale()
+        self.log.write(record)
+        self.last = {"step": done, "time": logged["time"], "bytes": sent}
+
+
 def _run(config: Config, rank: int, world: int, where: Placement, why: str) -> list[dict]:
+    """Set up one rank's run of ``config`` and run it with :func:`lsdl_lab.train.fit`."""
     device = where.device
     micro, accumulation = _micro_batch(config, world)
-    steps = capped_steps(config.steps)  # the identity, except in a dry run (lsdl_lab.scale)
     if config.kill_at_step >= 0 and config.kill_rank >= world:
         raise ValueError(
             f"Invalid kill_rank: {config.kill_rank} (expected an int in [0, {world - 1}])"
@@ -204,23 +340,28 @@ def _run(config: Config, rank: int, world: int, where: Placement, why: str) -> l
             built.blocks,
             Checkpointed(blocks, config.activation_checkpoint, config.checkpoint_impl),
         )
-    state = checkpoint.load(path) if config.resume and path.exists() else None
+    state = _load(path, config.resume)
     if state is not None:
-        model.load_state_dict(state["model"])
-    strategy = make_strategy(model, config, world, built.blocks)
-    optimizer = strategy.optimizer
+        model.load_state_dict(state["model"])  # before parallelize shards the model
+    model = parallelize(model, config, world, built.blocks)
+    optimizer = build_optimizer(model, config)  # once, after the model is wrapped
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, make_schedule(config))
-    sharded = config.parallel != "ddp"
     scaler = None
     if config.precision == "fp16":
+        sharded = config.parallel != "ddp"  # each rank sees a shard: skip together
         scaler = LossScaler(process_group=dist.group.WORLD if sharded else None)
-    start = 0
+    batches = _RankBatches(built.batches, config, rank, world, out)
+    counter = CollectiveBytes()
+    step = DataParallelStep(
+        accumulation,
+        precision=config.precision,
+        scaler=scaler,
+        around=counter.counting,
+        faults=batches.poisoned,
+    )
+    checkpoint = RunCheckpoint(path, state, model, optimizer, scheduler, step, config, world)
+    start = state["step"] if state is not None else 0
     if state is not None:
-        strategy.load_optimizer(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        start = state["step"]
         _say(
             rank,
             f"resumed from {path} at step {start} (written at world size "
@@ -229,129 +370,26 @@ def _run(config: Config, rank: int, world: int, where: Placement, why: str) -> l
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG).write_text(config.to_yaml())
-    log = MetricsLog(out / METRICS, rank == 0, start)
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
-    bar = tqdm(
-        range(start, steps),
-        initial=start,
-        total=steps,
-        disable=rank != 0 or not config.progress,
+    records = _Records(config, world, rank, model, optimizer, counter, scaler, out / METRICS, state)
+    fit(
+        model,
+        optimizer,
+        batches,
+        config.steps,
+        step=step,
+        task=built.task,
+        scheduler=scheduler,
+        device=device,
+        log_every=config.log_every,
+        checkpoint=checkpoint,
+        checkpoint_every=config.checkpoint_every or None,
+        resume=config.resume,
+        progress=rank == 0 and config.progress,
+        callback=records,
         desc=f"lsdl_lab.run ({config.parallel}, world {world})",
+        grad_norm=False,
     )
-    window = {"loss": 0.0, "examples": 0, "time": 0.0, "steps": 0, "bytes": 0}
-    elapsed = float(state.get("elapsed", 0.0)) if state is not None else 0.0
-    for t in bar:
-        _inject_kill(config, rank, t, out)
-        torch.manual_seed(seed_from("run", config.seed, t, rank))  # dropout of step t
-        lr = optimizer.param_groups[0]["lr"]
-        batch = built.batches(t)
-        # micro, except for a dry run's capped batch: as many micro-batches, smaller
-        rows = max(1, min(micro, len(batch[1]) // world // accumulation))
-        pairs = rank_slice(batch, rank, world, rows)
-        bytes_before = strategy.bytes_sent()
-        t0 = time.perf_counter()
-        strategy.model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        examples = 0
-        with strategy.communicating():
-            for i, (x, y) in enumerate(pairs):
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                last = i == len(pairs) - 1
-                with contextlib.nullcontext() if last else strategy.accumulating():
-                    with torch.autocast(
-                        device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
-                    ):
-                        loss = built.task.loss(strategy.model(x), y)
-                    # a 16-bit loss (autocast) is summed and scaled in float32
-                    loss = loss.float() if loss.element_size() < 4 else loss
-                    loss = loss / accumulation
-                    if t == config.nan_at_step and rank == config.nan_rank:
-                        loss = loss * float("nan")
-                    (loss if scaler is None else scaler.scale(loss)).backward()
-                loss_sum += loss.detach().double()
-                examples += built.task.examples(y)
-        # one all-reduce: the global loss, and whether any rank's loss was not finite
-        flags = torch.stack([loss_sum, (~torch.isfinite(loss_sum)).double()])
-        if world > 1:
-            dist.all_reduce(flags)
-        global_loss = flags[0].item() / world
-        if flags[1].item() > 0:
-            raise NonFiniteLossError(global_loss, float(lr), t)
-        done = t + 1
-        logging = done % config.log_every == 0 or done == steps
-        with strategy.communicating():
-            stepped = True
-            if scaler is None:
-                optimizer.step()
-            else:
-                scaler.step(optimizer)
-                scaler.update()
-                stepped = not scaler.skipped
-            # measured with the gradients still held: the step's peak of model states
-            memory = strategy.memory() if logging else None
-            optimizer.zero_grad(set_to_none=True)
-        if stepped:
-            scheduler.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - t0
-        elapsed += seconds
-        window["loss"] += global_loss
-        window["examples"] += examples * world
-        window["time"] += seconds
-        window["steps"] += 1
-        window["bytes"] += strategy.bytes_sent() - bytes_before
-        if logging:
-            record = _record(config, strategy, world, memory, window, done, lr, elapsed, scaler)
-            log.write(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}")
-            window = dict.fromkeys(window, 0)
-            window["loss"] = 0.0
-        if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == steps:
-            _save(path, strategy, scheduler, scaler, config, world, rank, done, elapsed)
-    bar.close()
+    steps = capped_steps(config.steps)
     if start >= steps:
         _say(rank, f"the checkpoint {path} is already at step {start} of {steps}")
     return read_metrics(out / METRICS) if rank == 0 else []
-
-
-def _record(config, strategy, world, memory, window, done, lr, elapsed, scaler) -> dict:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        memory["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
-    per_rank = _gather(world, (strategy.bytes_sent(), window["bytes"], memory))
-    steps = window["steps"]
-    record = {
-        "step": done,
-        "loss": window["loss"] / steps,
-        "lr": float(lr),
-        "time_s": elapsed,
-        "step_time_s": window["time"] / steps,
-        "examples_per_s": window["examples"] / max(window["time"], 1e-9),
-        "world_size": world,
-        "parallel": config.parallel,
-        "bytes_sent": [b for b, _, _ in per_rank],
-        "bytes_per_step": [w / steps for _, w, _ in per_rank],
-        "memory": [m for _, _, m in per_rank],
-    }
-    if scaler is not None:
-        record["loss_scale"] = scaler.get_scale()
-    return record
-
-
-def _save(path, strategy, scheduler, scaler, config, world, rank, done, elapsed) -> None:
-    model_state, optimizer_state = strategy.full_state()  # collective
-    if rank == 0:
-        checkpoint.save(
-            path,
-            step=done,
-            elapsed=elapsed,
-            model=model_state,
-            optimizer=optimizer_state,
-            scheduler=scheduler.state_dict(),
-            scaler=scaler.state_dict() if scaler is not None else {},
-            world_size=world,
-            parallel=config.parallel,
-            config=config.to_dict(),
-        )
-    if world > 1:
-        dist.barrier()  # nobody runs ahead of (and so past) a checkpoint being written

@@ -1,12 +1,14 @@
-"""lsdl_lab.run.checkpoint: weights_only checkpoints; a corrupt, truncated or foreign file
-is an error naming it, and a run never restarts from scratch over it."""
+"""The run's checkpoints (lsdl_lab.run.loop.RunCheckpoint): weights_only files; a corrupt,
+truncated or foreign file is an error naming it, and a run never restarts from scratch
+over it."""
 
 import pytest
 import torch
 from run_workers import CONSTANT, make
 
+from lsdl_lab.checkpoint import load
 from lsdl_lab.run import CheckpointError, main, train
-from lsdl_lab.run.checkpoint import FORMAT, load
+from lsdl_lab.run.loop import FORMAT
 
 
 class _Payload:
@@ -61,7 +63,7 @@ def test_an_unusable_checkpoint_stops_the_run_naming_the_file(finished, tmp_path
         "code": "cannot be read: it holds objects other than tensors",
     }.get(damage, "cannot be read: it is corrupt or truncated")
     with pytest.raises(CheckpointError, match=f"checkpoint {path} {message}"):
-        load(path)
+        load(path, FORMAT)
     before = path.read_bytes()
     with pytest.raises(CheckpointError, match=str(path)):
         train(config.replace(out_dir=str(out), steps=4))

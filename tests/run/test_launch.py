@@ -17,6 +17,7 @@ import pytest
 import torch
 from run_workers import WORLD2, make
 
+from lsdl_lab.checkpoint import load
 from lsdl_lab.distributed import free_port
 from lsdl_lab.run import (
     Config,
@@ -28,7 +29,6 @@ from lsdl_lab.run import (
     spawn_run,
     torchrun_command,
 )
-from lsdl_lab.run.checkpoint import load
 
 LIMIT_S = 240  # no launch may hang a test run
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from run_workers import BASE, CONSTANT, WORLD2, config, make
 
 from lsdl_lab import compress
+from lsdl_lab.checkpoint import load
 from lsdl_lab.distributed import call_each, free_port, spawn
 from lsdl_lab.run import Config, read_metrics, run_rank, train
-from lsdl_lab.run.checkpoint import load
 from lsdl_lab.run.loop import _placement
 
 # float64 sums of two ranks' halves against one process's whole batch differ in the last
