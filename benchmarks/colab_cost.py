@@ -46,7 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import ROOT
 from lsdl_lab import models
-from lsdl_lab.scale import PROFILES
+from lsdl_lab.profiles import PROFILES
 
 P = PROFILES["gpu"]
 LABS = ROOT / "labs"

@@ -70,7 +70,7 @@ from benchmarks.timing import (
     write_report,
 )
 from lsdl_lab import data, models, optim
-from lsdl_lab.scale import PROFILES
+from lsdl_lab.profiles import PROFILES
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compiled.md"
 # The benchmark's own TorchInductor cache (unless TORCHINDUCTOR_CACHE_DIR names one): every

@@ -53,7 +53,7 @@ from benchmarks.timing import (
 from lsdl_lab.book.races import state_bytes
 from lsdl_lab.models import MLP, ResNet
 from lsdl_lab.optim import KFAC, Adam, Shampoo
-from lsdl_lab.scale import PROFILES
+from lsdl_lab.profiles import PROFILES
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "second_order.md"
 UPDATE_FREQ = 10

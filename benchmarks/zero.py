@@ -61,7 +61,7 @@ from lsdl_lab.book.memory_experiments import lm_loss, untied_gpt
 from lsdl_lab.distributed import spawn
 from lsdl_lab.memory import ZeroOptimizer
 from lsdl_lab.memory.measure import CATEGORIES, measure
-from lsdl_lab.scale import PROFILES
+from lsdl_lab.profiles import PROFILES
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "zero.md"
 WORLD = 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .scale import Profile, setup
+from .profiles import Profile, setup
 
 __version__ = "0.1.0"
 __all__ = ["Profile", "setup", "__version__"]

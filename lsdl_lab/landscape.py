@@ -56,7 +56,7 @@ from ._util import (
     weighted_batches,
 )
 from .plot import PALETTE
-from .scale import capped_steps
+from .profiles import capped_steps
 
 __all__ = [
     "Interpolation",
@@ -237,7 +237,7 @@ def epsilon_sharpness(
     if not params:
         raise ValueError("Invalid model: no parameter requires a gradient")
 
-    iterations = capped_steps(steps)  # the identity, except in a dry run (lsdl_lab.scale)
+    iterations = capped_steps(steps)  # the identity, except in a dry run (lsdl_lab.profiles)
     with eval_mode(model), _restored(params) as x:
         with torch.no_grad():
             loss = _mean_loss(model, loss_fn, batches, weights)

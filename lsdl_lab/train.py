@@ -58,7 +58,7 @@ from ._util import (
     eval_mode,
 )
 from .data import BatchSource
-from .scale import capped_steps
+from .profiles import capped_steps
 
 __all__ = [
     "Checkpoint",

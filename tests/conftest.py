@@ -27,7 +27,7 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _uncapped(monkeypatch):
-    """No test inherits the dry run's caps (lsdl_lab.scale) from the shell: a test that
+    """No test inherits the dry run's caps (lsdl_lab.profiles) from the shell: a test that
     needs every step it asks for would stop short (on a GPU machine where LSDL_MAX_STEPS=2
     was still exported, Landscape's sign ascent stopped two steps in, short of the box's
     corner, and its test failed). A test of the caps sets them itself."""

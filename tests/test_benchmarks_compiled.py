@@ -17,8 +17,8 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
 from benchmarks import compiled  # noqa: E402
 from benchmarks.bandwidth import minimum_bytes_per_param  # noqa: E402
 from lsdl_lab import optim  # noqa: E402
+from lsdl_lab.profiles import PROFILES  # noqa: E402
 from lsdl_lab.run import Config  # noqa: E402
-from lsdl_lab.scale import PROFILES  # noqa: E402
 
 
 def test_rows_cover_every_optimizer_of_the_package():

@@ -12,7 +12,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import colab_cost  # noqa: E402
-from lsdl_lab.scale import PROFILES  # noqa: E402
+from lsdl_lab.profiles import PROFILES  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ Colab's default profile is ``gpu``; a crash, a shape error or an unbounded loop 
 fail here, not in a student's session. Each lab is executed (nbclient) with
 ``LSDL_SCALE=gpu`` on this CPU: the ``gpu`` profile's models (ResNet-20 of width 16, the
 six-layer GPT of width 384 and context 256), its data sets and its code paths. Two caps,
-read by :mod:`lsdl_lab.scale`, make it affordable: ``LSDL_MAX_STEPS`` bounds every loop
+read by :mod:`lsdl_lab.profiles`, make it affordable: ``LSDL_MAX_STEPS`` bounds every loop
 (training steps, races, sweeps, the labs' own loops) and ``LSDL_MAX_EXAMPLES`` every batch
 and measured subset. Nothing else changes.
 

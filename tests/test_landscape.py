@@ -145,7 +145,7 @@ def test_a_failing_loss_leaves_weights_and_modes_as_they_were(device):
 
 @pytest.mark.parametrize("method", ls.METHODS)
 def test_a_dry_run_caps_the_ascent_steps(method, monkeypatch):
-    # LSDL_MAX_STEPS (lsdl_lab.scale) bounds the iterations; sign ascent evaluates the loss
+    # LSDL_MAX_STEPS (lsdl_lab.profiles) bounds the iterations; sign ascent evaluates the loss
     # at the start, once a step and at the end; L-BFGS-B at least once an iteration
     model, x, y = cnn()
     calls = []

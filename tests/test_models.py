@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lsdl_lab import models, scale
+from lsdl_lab import models, profiles
 from lsdl_lab.models import MLP, GhostBatchNorm2d, ResNet, ghost_batch_norm
 
 EXACT = dict(rtol=0.0, atol=0.0)
@@ -146,11 +146,11 @@ def test_generate_is_seeded(device):
 
 def test_models_for_profiles_grow():
     sizes = [
-        models.resnet_for(scale.PROFILES[n], 10, 3).num_parameters()
+        models.resnet_for(profiles.PROFILES[n], 10, 3).num_parameters()
         for n in ("smoke", "cpu", "gpu")
     ]
     assert sizes == sorted(sizes)
-    gpts = [models.gpt_for(scale.PROFILES[n], 65).num_parameters() for n in ("smoke", "cpu", "gpu")]
+    gpts = [models.gpt_for(profiles.PROFILES[n], 65).num_parameters() for n in profiles.PROFILES]
     assert gpts == sorted(gpts) and gpts[-1] > 10e6  # the gpu GPT is nanoGPT's char model size
 
 

@@ -19,7 +19,7 @@ lists, dicts), the same on every rank unless it says otherwise::
 * :func:`model_parallel_run`: a tensor-parallel transformer block against the dense one,
   and a pipeline's measured bubble against (p - 1)/(m + p - 1).
 
-In a dry run (:mod:`lsdl_lab.scale`: ``LSDL_MAX_STEPS``, ``LSDL_MAX_EXAMPLES``, which
+In a dry run (:mod:`lsdl_lab.profiles`: ``LSDL_MAX_STEPS``, ``LSDL_MAX_EXAMPLES``, which
 every rank reads from the caller's environment, see :func:`~lsdl_lab.distributed.spawn`) each
 loop of training steps and of timed repeats runs at most the capped number of times and
 each batch and evaluation set holds at most the capped number of examples; nothing
@@ -69,7 +69,7 @@ from ..distributed.local_sgd import PeriodicAverager, average_parameters, overla
 from ..distributed.param_server import asynchronous_sgd, synchronous_sgd
 from ..memory.measure import measure
 from ..parallel import TensorParallelBlock, bubble_fraction, pipeline_step
-from ..scale import capped_examples, capped_steps
+from ..profiles import capped_examples, capped_steps
 from ..train import accuracy
 
 __all__ = [
@@ -91,7 +91,7 @@ def collective_times(rank, world_size, nbytes: Sequence[int], repeats: int = 5) 
     over ``repeats``, see :func:`~lsdl_lab.distributed.measure_collective`) for the ring, the
     tree and ``dist.all_reduce``, and the (alpha, beta) fitted to the ring's and the
     tree's times with their own models."""
-    repeats = capped_steps(repeats)  # the identity, except in a dry run (lsdl_lab.scale)
+    repeats = capped_steps(repeats)  # the identity, except in a dry run (lsdl_lab.profiles)
     times = {
         name: measure_collective(fn, nbytes, repeats, statistic="min")
         for name, fn in (
@@ -141,7 +141,7 @@ def staleness_run(rank, world_size, staleness: Sequence[int], lr: float, steps: 
     least-squares problem at each staleness bound s, from zero weights: on the server,
     ``{s: {"loss", "max_staleness", "mean_staleness"}}``; ``None`` on the workers.
     Synchronous SGD (:func:`~lsdl_lab.distributed.synchronous_sgd`) is ``"sync"``."""
-    steps = capped_steps(steps)  # the identity, except in a dry run (lsdl_lab.scale)
+    steps = capped_steps(steps)  # the identity, except in a dry run (lsdl_lab.profiles)
     w0 = torch.zeros(_least_squares()[0].shape[1], dtype=torch.float64)
     out = {}
     w = synchronous_sgd(rank, world_size, w0, least_squares_gradient, lr, steps)
@@ -255,7 +255,7 @@ def _codec_seconds(name: str, rank: int, model: nn.Module, world_size: int) -> f
     flat = torch.cat([g.reshape(-1) for g in grads])
     hook, make = _compressor(name.replace(" (torch)", ""), rank)
     runs = []
-    for _ in range(capped_steps(5)):  # 5, except in a dry run (lsdl_lab.scale)
+    for _ in range(capped_steps(5)):  # 5, except in a dry run (lsdl_lab.profiles)
         start = time.perf_counter()
         if make is None:
             flat.half().float()
@@ -281,7 +281,7 @@ def _shard(x: torch.Tensor, y: torch.Tensor, step: int, batch: int, rank: int, w
 
 
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    n = capped_examples(len(y))  # the whole test set, except in a dry run (lsdl_lab.scale)
+    n = capped_examples(len(y))  # the whole test set, except in a dry run (lsdl_lab.profiles)
     with torch.no_grad(), eval_mode(model):  # BatchNorm by its running statistics
         return accuracy(model(x[:n]), y[:n]).item()
 
@@ -345,7 +345,7 @@ def compression_run(
     :func:`_codec_seconds`)."""
     start_iter = check_int("start_iter", start_iter, FRESH_DDP_STEPS)
     steps = check_int("steps", steps, start_iter + 1)
-    # A dry run (lsdl_lab.scale) caps the shared steps and the compressed ones, not the
+    # A dry run (lsdl_lab.profiles) caps the shared steps and the compressed ones, not the
     # fresh model's uncompressed steps, which torch's PowerSGD needs; the identity outside.
     shared = range(capped_steps(start_iter - FRESH_DDP_STEPS))
     fresh = range(len(shared), len(shared) + FRESH_DDP_STEPS)
@@ -401,7 +401,7 @@ def local_sgd_run(
     Returns ``{"periods": {H: {"accuracy", "rounds", "bytes", "seconds"}}, "overlap":
     {...}}``; ``bytes`` is what this rank handed to all-reduces (parameters or gradients
     in float32)."""
-    # the identity, except in a dry run (lsdl_lab.scale)
+    # the identity, except in a dry run (lsdl_lab.profiles)
     steps, batch = capped_steps(steps), capped_examples(batch)
     overlap_repeats = capped_steps(overlap_repeats)
     x, y, test_x, test_y = _digits(seed)
@@ -492,7 +492,7 @@ def model_parallel_run(
     micro-batches of ``rows`` rows), ``repeats`` 1F1B and GPipe steps per ``micro_batches``
     after an untimed warm-up step: measured bubble (their median), the formula's, peak
     activations in flight, and this rank's timeline (for a figure) at the largest m."""
-    # the identity, except in a dry run (lsdl_lab.scale)
+    # the identity, except in a dry run (lsdl_lab.profiles)
     rows, repeats = capped_examples(rows), capped_steps(repeats)
     torch.manual_seed(0)
     block = models.TransformerBlock(dim, heads, 0.0).double()

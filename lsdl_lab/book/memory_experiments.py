@@ -31,12 +31,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._util import check_choice, check_int, check_positive
-from ..memory.checkpoint import sweep
 from ..memory.measure import SavedTensorBytes, measure
 from ..memory.precision import LossScaler, amp_step
+from ..memory.recompute import sweep
 from ..memory.sharded import ZeroOptimizer
 from ..models import GPT
-from ..scale import capped_steps
+from ..profiles import capped_steps
 
 __all__ = [
     "PRECISION_MODES",
@@ -162,7 +162,7 @@ def train_curves(
         model = new_model()
         opt = make(model.parameters())
         losses = []
-        # capped_steps: the identity, except in a dry run (lsdl_lab.scale)
+        # capped_steps: the identity, except in a dry run (lsdl_lab.profiles)
         for t in tqdm(range(capped_steps(steps)), desc=name, leave=False):
             x, y = batches(t)
             opt.zero_grad(set_to_none=True)

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from .._util import check_int, check_real
 from ..memory.measure import measure
 from ..optim.second_order import SecondOrderOptimizer
-from ..scale import capped_steps
+from ..profiles import capped_steps
 
 __all__ = ["Run", "race", "relative_cost", "state_bytes", "train_run"]
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .._util import check_bool, check_int, check_tensor, generator
-from ..scale import capped_examples, capped_steps
+from ..profiles import capped_examples, capped_steps
 
 __all__ = [
     "BatchSource",
@@ -172,7 +172,7 @@ class ImageBatches(_ShuffledExamples):
 def eval_batches(x, y, batch_size: int, max_batches: int | None = None, device=None) -> list:
     """``(xb, yb)`` batches in order, no shuffle, the last one possibly smaller."""
     x, y = _examples(x, y, empty=True)
-    # capped_*: the identity, except in a dry run (lsdl_lab.scale)
+    # capped_*: the identity, except in a dry run (lsdl_lab.profiles)
     batch_size = capped_examples(check_int("batch_size", batch_size, 1))
     n_batches = math.ceil(len(x) / batch_size)
     if max_batches is not None:
@@ -195,7 +195,7 @@ def _windows(tokens, block_size, batch_size) -> tuple[torch.Tensor, int, int]:
 
 
 def _capped_rows(batch_size: int, block_size: int) -> int:
-    """``batch_size`` windows, except in a dry run (:mod:`lsdl_lab.scale`), whose cap on
+    """``batch_size`` windows, except in a dry run (:mod:`lsdl_lab.profiles`), whose cap on
     examples counts tokens, the examples of a language model's loss (at least one window)."""
     return max(1, capped_examples(batch_size * block_size) // block_size)
 

@@ -4,7 +4,7 @@
   backward, tables per rank.
 * :mod:`~lsdl_lab.memory.precision` -- the dynamic loss scaler (GradScaler's semantics,
   a floor, one skip decision over a process group) and fp16/bf16 demonstrations.
-* :mod:`~lsdl_lab.memory.checkpoint` -- activation checkpointing (Chen et al. 2016).
+* :mod:`~lsdl_lab.memory.recompute` -- activation checkpointing (Chen et al. 2016).
 * :mod:`~lsdl_lab.memory.zero` -- bytes per rank under ZeRO's stages (Rajbhandari et al.
   2020).
 * :mod:`~lsdl_lab.memory.sharded` -- ZeRO's stages 1-3 on a real process group
@@ -24,14 +24,6 @@ from .calculator import (
     resnet_memory,
     resnet_param_shapes,
 )
-from .checkpoint import (
-    Recompute,
-    checkpoint_sequential,
-    segments,
-    sqrt_spacing,
-    sweep,
-    theoretical_peak,
-)
 from .measure import SavedTensorBytes, format_bytes, format_table, measure, measure_by_dtype
 from .precision import (
     LossScaler,
@@ -39,6 +31,14 @@ from .precision import (
     bf16_range_vs_precision,
     fp16_underflow,
     mixed_precision_for,
+)
+from .recompute import (
+    Recompute,
+    checkpoint_sequential,
+    segments,
+    sqrt_spacing,
+    sweep,
+    theoretical_peak,
 )
 from .sharded import ZeroOptimizer
 from .zero import zero_bytes

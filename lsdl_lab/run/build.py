@@ -20,7 +20,7 @@ from torch import nn
 from .. import optim, schedules
 from ..data import ImageBatches, TextBatches, load_images, load_text
 from ..models import GPT, MLP, ResNet
-from ..scale import Profile, current
+from ..profiles import Profile, current
 from ..train import Classification, LanguageModeling, Task
 from .config import Config
 

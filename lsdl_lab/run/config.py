@@ -10,7 +10,7 @@ flags with dashes)::
 Flags override the file, the file overrides the defaults. A value outside its range is a
 ``ValueError`` (a wrong type a ``TypeError``) naming the option and what it allows, raised
 before any process group or model is built. A size left at 0 is taken from the scale
-profile (:mod:`lsdl_lab.scale`), as the labs take theirs.
+profile (:mod:`lsdl_lab.profiles`), as the labs take theirs.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ the optimizer built once after it, a metrics record every ``log_every`` steps
 (:class:`_Records`, fit's callback) and a checkpoint every ``checkpoint_every`` steps and
 at the end (:class:`RunCheckpoint`, the checkpoint fit is given).
 
-In a dry run (:mod:`lsdl_lab.scale`; the caps reach every rank through the environment,
+In a dry run (:mod:`lsdl_lab.profiles`; the caps reach every rank through the environment,
 which ``torchrun`` and :func:`lsdl_lab.distributed.spawn` pass on) the run stops after
 ``LSDL_MAX_STEPS`` steps, its schedule still the config's, and each global batch holds at
 most ``LSDL_MAX_EXAMPLES`` examples, cut into as many micro-batches as the config's.
@@ -44,7 +44,7 @@ from .. import checkpoint as files
 from .._util import seed_from
 from ..distributed.world import Placement, free_port, init_from_env, placement
 from ..memory import LossScaler, checkpoint_sequential, mixed_precision_for
-from ..scale import capped_steps
+from ..profiles import capped_steps
 from ..steps import DataParallelStep
 from ..train import Checkpoint, History, fit
 from .build import build, make_schedule

@@ -109,7 +109,7 @@ def test_too_few_steps_are_refused():
 
 
 def test_a_dry_run_caps_the_steps_and_examples_of_every_rank(monkeypatch):
-    # The caps of lsdl_lab.scale reach the ranks through the caller's environment, which
+    # The caps of lsdl_lab.profiles reach the ranks through the caller's environment, which
     # spawn hands to each rank.
     monkeypatch.setenv("LSDL_MAX_STEPS", "2")
     monkeypatch.setenv("LSDL_MAX_EXAMPLES", "4")

@@ -21,7 +21,7 @@ from lsdl_lab.memory.calculator import (
 from lsdl_lab.memory.measure import SavedTensorBytes, measure
 from lsdl_lab.memory.zero import zero_bytes
 from lsdl_lab.models import GPT, ResNet, count_parameters
-from lsdl_lab.scale import PROFILES
+from lsdl_lab.profiles import PROFILES
 
 # GPT-3-like sizes (hidden 6144, 64 heads, 48 layers: the scale Korthikanti et al. study).
 SHAPE = GPTShape(layers=48, hidden=6144, heads=64, seq_len=2048, micro_batch=4, vocab=51200)

@@ -244,7 +244,7 @@ def test_each_round_of_torchrun_workers_joins_under_its_own_keys(tmp_path, monke
 def test_a_dry_run_stops_every_rank_at_the_capped_step_with_as_many_micro_batches(
     tmp_path, monkeypatch
 ):
-    # lsdl_lab.scale's caps, read by each rank from the environment spawn hands it: 2 of
+    # lsdl_lab.profiles's caps, read by each rank from the environment spawn hands it: 2 of
     # the 4 steps, global batches of 8 of the 32 examples (4 per rank); the accumulating
     # run cuts its 4 into 4 micro-batches of 1, as its config cuts 16 into 4 of 4.
     monkeypatch.setenv("LSDL_MAX_STEPS", "2")

@@ -6,14 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from lsdl_lab.memory.checkpoint import (
+from lsdl_lab.memory.measure import SavedTensorBytes
+from lsdl_lab.memory.recompute import (
     checkpoint_sequential,
     segments,
     sqrt_spacing,
     sweep,
     theoretical_peak,
 )
-from lsdl_lab.memory.measure import SavedTensorBytes
 
 L = 16
 

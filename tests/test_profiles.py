@@ -2,23 +2,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lsdl_lab import scale
+from lsdl_lab import profiles
 
 
 def test_env_override(monkeypatch):
-    for name in scale.PROFILES:
+    for name in profiles.PROFILES:
         monkeypatch.setenv("LSDL_SCALE", name)
-        assert scale.current().name == name
+        assert profiles.current().name == name
     monkeypatch.setenv("LSDL_SCALE", " CPU ")
-    assert scale.current().name == "cpu"
+    assert profiles.current().name == "cpu"
 
 
 def test_automatic_choice_follows_cuda(monkeypatch):
     monkeypatch.delenv("LSDL_SCALE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert scale.current().name == "gpu"
+    assert profiles.current().name == "gpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert scale.current().name == "cpu"
+    assert profiles.current().name == "cpu"
 
 
 def test_unknown_profile_lists_valid_ones(monkeypatch):
@@ -27,13 +27,13 @@ def test_unknown_profile_lists_valid_ones(monkeypatch):
     with pytest.raises(
         ValueError, match=r"Invalid LSDL_SCALE \(environment variable\): 'huge' " + expected
     ):
-        scale.current()
+        profiles.current()
     with pytest.raises(ValueError, match="Invalid name: 'tiny' " + expected):
-        scale.current("tiny")
+        profiles.current("tiny")
 
 
 def test_pick_and_sizes_grow_with_scale():
-    P = scale.PROFILES
+    P = profiles.PROFILES
     assert P["smoke"].pick(smoke=1, cpu=2, gpu=3) == 1
     assert P["gpu"].pick(smoke=1, cpu=2, gpu=3) == 3
     assert P["gpu"].pick(smoke=1, cpu=2) == 2 and P["smoke"].pick(smoke=1, cpu=2) == 1
@@ -46,16 +46,16 @@ def test_pick_and_sizes_grow_with_scale():
 
 def test_profile_is_frozen():
     with pytest.raises(AttributeError):
-        scale.PROFILES["cpu"].epochs = 100
+        profiles.PROFILES["cpu"].epochs = 100
 
 
 def test_setup_prints_profile_and_device(capsys, monkeypatch):
     monkeypatch.setenv("LSDL_SCALE", "smoke")
-    P, device = scale.setup(seed=3)
+    P, device = profiles.setup(seed=3)
     out = capsys.readouterr().out
     assert "profile 'smoke'" in out and device.type in out and "seed 3" in out
     a = torch.rand(3)
-    scale.seed_everything(3)
+    profiles.seed_everything(3)
     assert torch.equal(a, torch.rand(3))
 
 
@@ -64,7 +64,7 @@ def test_setup_prints_profile_and_device(capsys, monkeypatch):
 )
 def test_bad_seed(seed, error):
     with pytest.raises(error, match="Invalid seed"):
-        scale.seed_everything(seed)
+        profiles.seed_everything(seed)
 
 
 # --- the dry run's caps (tests/test_gpu_profile.py) ---------------------------------------
@@ -72,34 +72,34 @@ def test_bad_seed(seed, error):
 
 @pytest.fixture
 def no_caps(monkeypatch):
-    monkeypatch.delenv(scale.MAX_STEPS_VAR, raising=False)
-    monkeypatch.delenv(scale.MAX_EXAMPLES_VAR, raising=False)
+    monkeypatch.delenv(profiles.MAX_STEPS_VAR, raising=False)
+    monkeypatch.delenv(profiles.MAX_EXAMPLES_VAR, raising=False)
 
 
 @pytest.fixture
 def caps(monkeypatch):
-    monkeypatch.setenv(scale.MAX_STEPS_VAR, "2")
-    monkeypatch.setenv(scale.MAX_EXAMPLES_VAR, "16")
+    monkeypatch.setenv(profiles.MAX_STEPS_VAR, "2")
+    monkeypatch.setenv(profiles.MAX_EXAMPLES_VAR, "16")
 
 
 def test_caps_are_the_identity_outside_a_dry_run(no_caps):
-    assert scale.dry_run() is None
-    assert scale.capped_steps(20_000) == 20_000
-    assert scale.capped_examples(4096) == 4096 and scale.capped_examples(None) is None
+    assert profiles.dry_run() is None
+    assert profiles.capped_steps(20_000) == 20_000
+    assert profiles.capped_examples(4096) == 4096 and profiles.capped_examples(None) is None
 
 
 def test_caps_of_a_dry_run(caps):
-    assert scale.dry_run() == {"max_steps": 2, "max_examples": 16}
-    assert [scale.capped_steps(n) for n in (0, 1, 2, 20_000)] == [0, 1, 2, 2]
-    assert [scale.capped_examples(n) for n in (8, 16, 4096)] == [8, 16, 16]
-    assert scale.capped_examples(None) is None  # a whole training set keeps its size
+    assert profiles.dry_run() == {"max_steps": 2, "max_examples": 16}
+    assert [profiles.capped_steps(n) for n in (0, 1, 2, 20_000)] == [0, 1, 2, 2]
+    assert [profiles.capped_examples(n) for n in (8, 16, 4096)] == [8, 16, 16]
+    assert profiles.capped_examples(None) is None  # a whole training set keeps its size
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "two", "1.5"])
 def test_a_bad_cap_names_its_variable(monkeypatch, value):
-    monkeypatch.setenv(scale.MAX_STEPS_VAR, value)
+    monkeypatch.setenv(profiles.MAX_STEPS_VAR, value)
     with pytest.raises(ValueError, match=r"Invalid LSDL_MAX_STEPS \(environment variable\)"):
-        scale.capped_steps(10)
+        profiles.capped_steps(10)
 
 
 def _tiny_classifier():
@@ -146,8 +146,9 @@ def test_loops_and_batches_unchanged_without_caps(no_caps):
 
 
 def test_a_world_on_the_cpu_never_takes_the_gpu_sizes():
-    gpu, cpu, smoke = (scale.PROFILES[n] for n in ("gpu", "cpu", "smoke"))
-    assert scale.world_profile(gpu, "cpu") is cpu
-    assert scale.world_profile(gpu, torch.device("cuda", 1)) is gpu
-    assert scale.world_profile(cpu, "cpu") is cpu and scale.world_profile(smoke, "cpu") is smoke
-    assert scale.world_profile(smoke, "cuda") is smoke
+    gpu, cpu, smoke = (profiles.PROFILES[n] for n in ("gpu", "cpu", "smoke"))
+    assert profiles.world_profile(gpu, "cpu") is cpu
+    assert profiles.world_profile(gpu, torch.device("cuda", 1)) is gpu
+    assert profiles.world_profile(cpu, "cpu") is cpu
+    assert profiles.world_profile(smoke, "cpu") is smoke
+    assert profiles.world_profile(smoke, "cuda") is smoke
