@@ -9,17 +9,30 @@ rebuilt what the lab's optimizers run: one iteration of :func:`lsdl_lab.curvatur
 looks for the usual slips (the old residual in the new direction's coefficient, the
 factors swapped or transposed, an elementwise power instead of a matrix power, no floor
 on the eigenvalues) and names the one it finds.
+
+Two checks go beyond the values, because a right value can come from the wrong cost:
+
+- ``cg_step`` gets :math:`A` as an operator (:class:`lsdl_lab.curvature.DenseOperator`,
+  which counts its products, as HF's Gauss-Newton operator does) and must ask it for
+  exactly one product :math:`Ap` per iteration: the product is CG's whole cost.
+- ``kron_solve`` runs under a counter of the tensors its torch operations return
+  (:class:`LargestTensor`) and must stay within a memory budget: no tensor holding more
+  numbers than :math:`A`, :math:`G` and :math:`V` together. A solve through the Kronecker
+  product (``torch.kron``, an outer product by ``einsum`` or by broadcasting), whose
+  :math:`mn \times mn` matrix holds :math:`(mn)^2` numbers, is refused.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from ..check import CheckFailed, check_function, exercise, with_hints
+from ..curvature import DenseOperator
 from ..optim.shampoo import inverse_root as shampoo_inverse_root
 
-__all__ = ["cg_step", "inverse_root", "kron_solve"]
+__all__ = ["LargestTensor", "cg_step", "inverse_root", "kron_solve"]
 
 
 def cg_step(A: Tensor, x: Tensor, r: Tensor, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -157,15 +170,60 @@ def check_cg_step(student_fn) -> None:
          "it, this is steepest descent, not CG)"),
         (_cg_slip_alpha, later, "alpha = (rᵀr) / (pᵀAp): the curvature along p, not along r"),
     ], rtol=1e-7, atol=1e-9)  # fmt: skip
-    # n steps of the student's CG solve an n x n system (exact arithmetic; float64 here).
+    # n steps of the student's CG solve an n x n system (exact arithmetic; float64 here),
+    # with A an operator that counts the products asked of it: one per step.
     A, b = _spd(8, 50.0, 4), _vector(8, 5)
+    op = DenseOperator(A)
     x, r, p = torch.zeros_like(b), b.clone(), b.clone()
-    for _ in range(8):
-        x, r, p = student_fn(A, x, r, p)
+    for k in range(1, 9):
+        try:
+            x, r, p = student_fn(op, x, r, p)
+        except Exception as exc:
+            raise CheckFailed(
+                f"your cg_step raised {type(exc).__name__}: {exc} when A was an operator (a "
+                "DenseOperator, like HF's Gauss-Newton): use A only through the product A @ p"
+            ) from None
+        if op.products != k:
+            raise CheckFailed(
+                f"your cg_step asked A for {op.products - k + 1} products A @ v in one "
+                "iteration; CG needs exactly one, A @ p, and reuses it for alpha and for the "
+                "new residual (each product is a Gauss-Newton product in HF: the whole cost "
+                "of an iteration)"
+            )
     error = (torch.linalg.solve(A, b) - x).norm() / torch.linalg.solve(A, b).norm()
     if not error < 1e-8:
         raise CheckFailed(f"8 of your steps on an 8 x 8 system leave a relative error {error:.2e}")
-    print("✔ cg_step: equals one iteration of lsdl_lab.curvature.cg, and 8 steps solve 8 x 8")
+    print(
+        "✔ cg_step: equals one iteration of lsdl_lab.curvature.cg, with one product A @ p, "
+        "and 8 steps solve 8 x 8"
+    )
+
+
+class LargestTensor(TorchFunctionMode):
+    """Within ``with LargestTensor() as seen:``, ``seen.numel`` is the number of entries of
+    the largest tensor a torch function or tensor method returned, and ``seen.where`` the
+    name of that function: a counter of what a computation materializes (the tensors made
+    inside one torch operation, such as a solver's workspace, are not seen; the results
+    of every operation called from Python are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.where = 0, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            if t.numel() > self.numel:
+                self.numel, self.where = t.numel(), getattr(func, "__name__", str(func))
+        return out
+
+
+def _tensors(out) -> list[Tensor]:
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _tensors(item)]
+    return []
 
 
 def _kron_slip_swapped(A, G, V):
@@ -206,7 +264,26 @@ def check_kron_solve(student_fn) -> None:
     got = student_fn(A, G, V).mT.reshape(-1)
     if not torch.allclose(got, dense, rtol=1e-6, atol=1e-9):
         raise CheckFailed("your result is not (A ⊗ G)^{-1} vec(V) computed densely")
-    print("✔ kron_solve: equals the dense (A ⊗ G)^{-1} vec(V), with two small solves")
+    # The cost: a 12-out, 20-in layer, whose A ⊗ G (240 x 240, 57,600 numbers) is 73 times
+    # A, G and V together (784): the budget, which two small solves never exceed.
+    m, n = 12, 20
+    A, G, V = _spd(n, 10.0, 10), _spd(m, 10.0, 11), _matrix(m, n, 12)
+    budget = A.numel() + G.numel() + V.numel()
+    with LargestTensor() as seen:
+        got = student_fn(A, G, V)
+    if seen.numel > budget:
+        raise CheckFailed(
+            f"for a {m} x {n} gradient your kron_solve made a tensor of {seen.numel:,} numbers "
+            f"(by {seen.where}), more than A, G and V hold together ({budget:,}); "
+            f"(A ⊗ G) would hold {(m * n) ** 2:,}: solve with the two factors, G^{{-1}} V "
+            "A^{-1}, and never form the Kronecker product"
+        )
+    if not torch.allclose(got, kron_solve(A, G, V), rtol=1e-6, atol=1e-9):
+        raise CheckFailed(f"your kron_solve differs from G^{{-1}} V A^{{-1}} on a {m} x {n} V")
+    print(
+        "✔ kron_solve: equals the dense (A ⊗ G)^{-1} vec(V), with no tensor larger than "
+        "A, G and V together"
+    )
 
 
 def _root_slip_elementwise(H, p, epsilon):

@@ -18,8 +18,6 @@ Schraudolph, 2002) and :math:`\lambda` the damping:
 - CG (:func:`lsdl_lab.curvature.cg`) makes at most ``cg_iters`` products and stops at a
   relative residual ``cg_tol``; it is warm-started from the previous solution decayed by
   :math:`\zeta` = ``warm_start_decay`` (Martens, 2010, Sec. 4.5: 0.95; 0 starts from zero).
-  Martens stops CG by the progress of :math:`q` instead (Sec. 4.4); the residual rule here
-  is :func:`~lsdl_lab.curvature.cg`'s.
 - With ``cg_backtracking=True``, Martens's CG-iteration backtracking (Sec. 4.6): CG keeps
   its iterate :math:`\delta_k` at the iterations :math:`k = \lceil\gamma^j\rceil`,
   :math:`j = 0, 1, \dots` (:math:`\gamma = 1.3`, his value) and its last one; starting
@@ -40,6 +38,28 @@ Schraudolph, 2002) and :math:`\lambda` the damping:
   :math:`q` (Martens, 2010, Sec. 4.1; Martens & Sutskever, 2012, Sec. 8.5). ``damping``
   lives in the parameter groups, so the adapted value is in ``state_dict`` and a run
   resumes exactly; a damping of 0 stays 0.
+
+**The variant, and where it departs from Martens (2010).** HF with Gauss-Newton products
+(his Sec. 4.2), his Levenberg-Marquardt rule and constants (Sec. 4.1), his decayed warm
+start (Sec. 4.5) and, optionally, his CG-iteration backtracking (Sec. 4.6); it departs from
+his paper in three places:
+
+- **no preconditioner for CG.** Martens preconditions CG by
+  :math:`M = [\operatorname{diag}(\sum_i \nabla f_i \odot \nabla f_i) + \lambda I]^{3/4}`,
+  a power of the empirical Fisher's diagonal (Sec. 4.7); CG here is unpreconditioned, so on
+  a badly scaled problem it needs more products for the same residual;
+- **no separate curvature mini-batches.** Martens computes the gradient on large batches
+  (or the whole data set) and the curvature products on a smaller mini-batch, a different
+  one at each step (Sec. 4.3); here the gradient, the products and the reduction ratio all
+  use the closure's one batch (full-batch training, as in Lab 6, makes the two the same);
+- **another stopping rule.** CG stops at the relative residual ``cg_tol`` or after the
+  ``cg_iters`` products (50 by default), not by Martens's progress rule on the quadratic
+  model: stop at iteration :math:`i` once :math:`i > k`, :math:`q(\delta_i) < 0` and
+  :math:`(q(\delta_i) - q(\delta_{i-k}))/q(\delta_i) < k\epsilon`, with
+  :math:`k = \max(10, 0.1\,i)` and :math:`\epsilon = 5\cdot10^{-4}` (Sec. 4.4), within a
+  budget of up to 250 iterations.
+
+The line search is Martens and Sutskever's (2012), not part of the 2010 paper.
 
 The closure returns **the loss and the model's outputs**, both with their graph, and does
 not call ``backward`` (pytorch-hessianfree's closure, by F. Meirinhos, also returns the loss
@@ -167,8 +187,10 @@ class LossGGN(CurvatureOperator):
 
 class HessianFree(SecondOrderOptimizer):
     r"""Hessian-free optimization with GGN products, CG with a budget and a warm start, and
-    Levenberg-Marquardt damping (see the module's docstring for the algorithm and the
-    closure).
+    Levenberg-Marquardt damping (see the module's docstring for the algorithm, the closure,
+    and the three places where it departs from Martens, 2010: no CG preconditioner, one
+    batch for the gradient and the curvature, a residual stopping rule instead of his
+    progress rule on the quadratic model).
 
     ``lr`` scales the step (1: the CG solution); ``damping`` is the initial
     :math:`\lambda`, adapted from there; ``cg_iters`` is the products' budget and ``cg_tol``

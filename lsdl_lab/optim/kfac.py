@@ -63,6 +63,22 @@ layer whose weight is frozen, grouped convolutions): a stated first-order fallba
 with heavy-ball momentum and coupled weight decay, as kfac-pytorch's wrapped SGD does:
 :math:`b_t = \mu b_{t-1} + (d_t + \lambda_{wd} w)`, :math:`w_t = w_{t-1} - \eta b_t`. As
 in kfac-pytorch, the preconditioned gradient replaces ``p.grad``.
+
+**The variant, and where it departs from Martens and Grosse (2015).** Block-diagonal K-FAC
+(their §4.2; not the block-tridiagonal inverse of §4.3) with the true Fisher's factors
+(§5), in kfac-pytorch's form: **eigenbasis damping** and **KL-clipping** (Pauloski et al.,
+2020; Ba et al., 2017). Against the paper:
+
+- the damping is Tikhonov damping of :math:`G \otimes A` in the factors' eigenbases, exact,
+  where the paper uses factored Tikhonov damping with its :math:`\pi`-correction (§6.3);
+- :math:`\lambda` is fixed: the paper adapts it every few steps by the
+  Levenberg-Marquardt rule on the reduction ratio of its quadratic model (§6.5), with a
+  separate damping :math:`\gamma` for the factors (§6.6);
+- the step size and momentum are fixed (``lr``, ``momentum``: heavy-ball SGD on the
+  preconditioned gradient), the length capped by KL-clipping; the paper chooses both at
+  every step, :math:`\alpha` and :math:`\mu`, by minimizing the quadratic model, with
+  exact Fisher-vector products, over the span of the proposal and the previous update
+  (§6.4, §7).
 """
 
 from __future__ import annotations
@@ -139,7 +155,10 @@ def _supported(module: nn.Module) -> bool:
 
 class KFAC(Optimizer):
     r"""K-FAC preconditioning of ``model``'s Linear and Conv2d layers, SGD with momentum on
-    the preconditioned gradients (and on the plain gradients of the other parameters).
+    the preconditioned gradients (and on the plain gradients of the other parameters): the
+    eigenbasis-damping variant with KL-clipping of kfac-pytorch, with a fixed damping,
+    learning rate and momentum where Martens and Grosse (2015) adapt :math:`\lambda` and
+    choose :math:`\alpha` and :math:`\mu` at every step (the module's docstring).
 
     ``params`` (default ``model.parameters()``) may be parameter groups; a layer is
     preconditioned when its weight is among them (with its group's hyperparameters), and

@@ -97,6 +97,68 @@ def a_root_not_an_inverse_root(H, p, epsilon):
     return (Q @ torch.diag(lam.clamp(min=epsilon) ** p) @ Q.T).to(H.dtype)
 
 
+def two_products(A, x, r, p):
+    # right values, twice the cost: A @ p again for the residual
+    alpha = (r @ r) / (p @ (A @ p))
+    r2 = r - alpha * (A @ p)
+    return x + alpha * p, r2, r2 + (r2 @ r2) / (r @ r) * p
+
+
+def matrix_only(A, x, r, p):
+    # right values with a matrix, but A used as one: A.mv is not an operator's product
+    Ap = A.mv(p)
+    alpha = (r @ r) / (p @ Ap)
+    r2 = r - alpha * Ap
+    return x + alpha * p, r2, r2 + (r2 @ r2) / (r @ r) * p
+
+
+def dense_kron(A, G, V):
+    # right values through the mn x mn Kronecker product
+    x = torch.linalg.solve(torch.kron(A, G), V.mT.reshape(-1))
+    return x.reshape(V.shape[1], V.shape[0]).mT
+
+
+def dense_einsum(A, G, V):
+    # the same Kronecker product without torch.kron: an outer product, reshaped
+    m, n = V.shape
+    K = torch.einsum("ij,kl->ikjl", A, G).reshape(n * m, n * m)
+    return torch.linalg.solve(K, V.mT.reshape(-1)).reshape(n, m).mT
+
+
+def inverse_then_products(A, G, V):
+    # a correct solution by another route: the factors' inverses, never the product
+    return torch.linalg.inv(G) @ V @ torch.linalg.inv(A)
+
+
+@pytest.mark.parametrize("solution", [dense_kron, dense_einsum])
+def test_dense_solutions_have_the_right_values(solution):
+    A, G = spd(3, 0), spd(4, 1)
+    V = torch.randn(4, 3, generator=torch.Generator().manual_seed(2), dtype=f64)
+    torch.testing.assert_close(solution(A, G, V), lab06.kron_solve(A, G, V))
+
+
+def test_two_products_have_the_right_values():
+    A, b = spd(5, 4), torch.randn(5, generator=torch.Generator().manual_seed(5), dtype=f64)
+    start = (A, torch.zeros(5, dtype=f64), b.clone(), b.clone())
+    for got, expected in zip(two_products(*start), lab06.cg_step(*start)):
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_solution_without_the_kronecker_product_passes(capsys):
+    check.checker("lab06.kron_solve")(inverse_then_products)
+    assert "✔ kron_solve: equals the dense" in capsys.readouterr().out
+
+
+def test_largest_tensor_counts_what_operations_return():
+    A, G = spd(3, 0), spd(4, 1)
+    with lab06.LargestTensor() as seen:
+        torch.kron(A, G)
+    assert (seen.numel, seen.where) == (144, "kron")
+    with lab06.LargestTensor() as seen:
+        lab06.kron_solve(A, G, torch.ones(4, 3, dtype=f64))
+    assert seen.numel == 12  # V's size: two small solves make nothing larger
+
+
 @pytest.mark.parametrize(
     "name, wrong, message",
     [
@@ -109,6 +171,10 @@ def a_root_not_an_inverse_root(H, p, epsilon):
         ("inverse_root", entrywise, "ENTRY"),
         ("inverse_root", unfloored, "floor the eigenvalues"),
         ("inverse_root", a_root_not_an_inverse_root, "INVERSE root"),
+        ("cg_step", two_products, "asked A for 2 products A @ v in one iteration"),
+        ("cg_step", matrix_only, "use A only through the product A @ p"),
+        ("kron_solve", dense_kron, r"made a tensor of 57,600 numbers \(by kron\)"),
+        ("kron_solve", dense_einsum, "never form the Kronecker product"),
     ],
 )
 def test_mistakes_are_named(name, wrong, message):
