@@ -229,7 +229,7 @@ def lab01() -> list[Work]:
 
 
 def lab02() -> list[Work]:
-    n = gpu_pick("lab02", "measured_set")
+    n = gpu_pick("lab02", "n_measured")
     draws, at_least = gpu_pick("lab02", "draws"), gpu_pick("lab02", "examples")
     sizes = [2**k for k in range(math.ceil(math.log2(n)))] + [n]
     sampled = sum(max(draws, at_least // b) * b for b in sizes)

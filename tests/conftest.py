@@ -1,18 +1,14 @@
 """Shared test setup: one torch thread per worker, the smoke profile, no progress bars."""
 
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("LSDL_SCALE", "smoke")
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# tests/helpers.py is imported as `helpers` from test files in any subfolder
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # On a shared 2-core machine a small model's step is ~100x slower with 2 intra-op
 # threads while another worker runs (FACTS.md); every test worker uses one.

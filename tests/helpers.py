@@ -1,6 +1,7 @@
-"""Small models with known Hessians, a tiny MLP and a tiny CNN, shared by the curvature and
-landscape tests. Each is made on the CPU from its seed (the same numbers everywhere) and
-moved to ``device`` (default: the CPU)."""
+"""What tests in several folders share: small models with known Hessians, a tiny MLP and a
+tiny CNN (the curvature and landscape tests; each made on the CPU from its seed, the same
+numbers everywhere, and moved to ``device``, default the CPU), and the comparison of two
+nested states (:func:`assert_same_tree`: optimizer states, checkpoints)."""
 
 import torch
 from torch import nn
@@ -73,3 +74,28 @@ def mlp(seed=0, dtype=torch.float64, device="cpu"):
     x = torch.randn(40, 6, generator=gen, dtype=dtype)
     y = torch.randint(3, (40,), generator=gen)
     return model.to(device), x.to(device), y.to(device)
+
+
+def assert_same_tree(a, b, where: str = "state", tolerance: dict | None = None) -> None:
+    """``a`` and ``b`` are the same nested state (dicts, lists, tuples, tensors, numbers), key
+    for key and type for type: tensors of one dtype and shape, equal bit for bit, or within
+    ``tolerance[dtype]`` (keyword arguments of :func:`torch.testing.assert_close`) for the
+    dtypes it names; other values equal. NaN equals NaN. A failure names the path
+    (``where/key[i]``)."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} against {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), (
+            f"{where}: {a.dtype} {a.shape} against {b.dtype} {b.shape}"
+        )
+        close = (tolerance or {}).get(a.dtype, dict(rtol=0.0, atol=0.0))
+        torch.testing.assert_close(a, b, **close, equal_nan=True, msg=lambda m: f"{where}: {m}")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {list(a)} against {list(b)}"
+        for key in a:
+            assert_same_tree(a[key], b[key], f"{where}/{key}", tolerance)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: {len(a)} items against {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{where}[{i}]", tolerance)
+    else:
+        assert a == b or (a != a and b != b), f"{where}: {a!r} against {b!r}"

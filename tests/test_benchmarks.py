@@ -9,13 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
-    sys.path.insert(0, str(ROOT))
+import lsdl_lab.optim
+from benchmarks import optimizers
+from benchmarks.timing import compare, quartiles, state_bytes_per_param
 
-import lsdl_lab.optim  # noqa: E402
-from benchmarks import optimizers  # noqa: E402
-from benchmarks.timing import compare, quartiles, state_bytes_per_param  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class FakeClock:

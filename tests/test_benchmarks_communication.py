@@ -2,18 +2,12 @@
 interleaved timing in a world, and a quick run of the tables (small sizes)."""
 
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import __main__ as run_all  # noqa: E402
-from benchmarks import communication  # noqa: E402
+from benchmarks import __main__ as run_all
+from benchmarks import communication
 
 SIDE = 32
 

@@ -4,21 +4,18 @@ quick run (one compiled optimizer on a tiny model) end to end."""
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
-    sys.path.insert(0, str(ROOT))
+from benchmarks import compiled
+from benchmarks.bandwidth import minimum_bytes_per_param
+from lsdl_lab import optim
+from lsdl_lab.profiles import PROFILES
+from lsdl_lab.run import Config
 
-from benchmarks import compiled  # noqa: E402
-from benchmarks.bandwidth import minimum_bytes_per_param  # noqa: E402
-from lsdl_lab import optim  # noqa: E402
-from lsdl_lab.profiles import PROFILES  # noqa: E402
-from lsdl_lab.run import Config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_rows_cover_every_optimizer_of_the_package():

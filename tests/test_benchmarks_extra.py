@@ -3,20 +3,15 @@ timing helpers, table writers and options, on tiny sizes (no notebook is execute
 
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
-    sys.path.insert(0, str(ROOT))
-
-import lsdl_lab.optim  # noqa: E402
-from benchmarks import __main__ as run_all  # noqa: E402
-from benchmarks import bandwidth, optimizers, project_cost  # noqa: E402
-from benchmarks import hessian as hessian_bench  # noqa: E402
-from benchmarks.timing import device_timer, load_average, machine_lines  # noqa: E402
+import lsdl_lab.optim
+from benchmarks import __main__ as run_all
+from benchmarks import bandwidth, optimizers, project_cost
+from benchmarks import hessian as hessian_bench
+from benchmarks.timing import device_timer, load_average, machine_lines
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`torch.jit.script` is deprecated:DeprecationWarning"  # inside torch.func.jvp

@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
-    sys.path.insert(0, str(ROOT))
+from benchmarks import memory_optimizers
+from benchmarks.optimizers import pytorch_optimizer
 
-from benchmarks import memory_optimizers  # noqa: E402
-from benchmarks.optimizers import pytorch_optimizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def state_per_param(text: str) -> dict[str, float]:

@@ -1,19 +1,12 @@
 """benchmarks/second_order.py: which steps refresh each preconditioner, the state's bytes,
 and a quick run of the table (tiny models)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import __main__ as run_all  # noqa: E402
-from benchmarks import second_order  # noqa: E402
-from lsdl_lab.models import MLP  # noqa: E402
+from benchmarks import __main__ as run_all
+from benchmarks import second_order
+from lsdl_lab.models import MLP
 
 # The state each optimizer recomputes only when it refreshes its preconditioner.
 REFRESHED = {

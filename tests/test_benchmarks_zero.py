@@ -2,17 +2,10 @@
 stage's partition of the bytes held per rank (counted by lsdl_lab.memory.measure, tested in
 tests/memory/test_measure.py, or ZeroOptimizer.held_bytes)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import __main__ as run_all  # noqa: E402
-from benchmarks import zero  # noqa: E402
+from benchmarks import __main__ as run_all
+from benchmarks import zero
 
 
 def columns(text: str, name: str) -> list[str]:

@@ -2,17 +2,11 @@
 the current labs and profiles, equal to the committed table, and within 10 minutes a lab."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ is not installed with lsdl_lab
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import colab_cost  # noqa: E402
-from lsdl_lab.profiles import PROFILES  # noqa: E402
+from benchmarks import colab_cost
+from lsdl_lab.profiles import PROFILES
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 alpha-beta of its loopback link measured by :mod:`lsdl_lab.distributed.cost` and the FLOP rate
 that one process achieves on the model's training step, to set against a measured run of the
 training entry point (:mod:`lsdl_lab.run`): :func:`planned_run` is the planner's
-configuration of such a run."""
+layout of such a run."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .._util import check_int, check_positive
 from ..distributed.cost import AlphaBeta, fit_alpha_beta, measure_collective, ring_all_reduce_time
-from ..plan import Cluster, Config, Model, Techniques, plan, train_flops_per_token
+from ..plan import Cluster, Layout, ModelShape, Techniques, plan, train_flops_per_token
 
 __all__ = [
     "lab_cluster",
@@ -41,7 +41,7 @@ def measure_link(
     return fit_alpha_beta(ring_all_reduce_time, world_size, list(nbytes), seconds)
 
 
-def step_flop_rate(model: Model, records: list[dict], recompute: str = "none") -> float:
+def step_flop_rate(model: ModelShape, records: list[dict], recompute: str = "none") -> float:
     """The FLOP/s a run of ``model`` achieved, from its metrics ``records``
     (:mod:`lsdl_lab.run.metrics`, ``log_every=1``): the FLOPs of a step
     (:func:`~lsdl_lab.plan.train_flops_per_token` with ``recompute``, times the global
@@ -55,8 +55,8 @@ def step_flop_rate(model: Model, records: list[dict], recompute: str = "none") -
     return train_flops_per_token(model, recompute) * tokens / statistics.median(times)
 
 
-def run_model(config) -> Model:
-    """The planner's :class:`Model` of the GPT that an :mod:`lsdl_lab.run` ``config``
+def run_model(config) -> ModelShape:
+    """The planner's :class:`ModelShape` of the GPT that an :mod:`lsdl_lab.run` ``config``
     trains (its profile's sizes and its corpus's vocabulary)."""
     from ..run.build import build  # the entry point's builder, only where it is asked for
 
@@ -64,7 +64,7 @@ def run_model(config) -> Model:
         raise ValueError(f"Invalid config: model {getattr(config, 'model', None)!r} "
                          "(expected a run config of model 'gpt')")  # fmt: skip
     gpt = build(config, torch.device("cpu")).model
-    return Model(
+    return ModelShape(
         layers=len(gpt.blocks),
         hidden=gpt.tok.embedding_dim,
         heads=gpt.blocks[0].attn.heads,
@@ -108,14 +108,14 @@ def lab_cluster(
 
 
 def plan_lab(
-    model: Model,
+    model: ModelShape,
     link: AlphaBeta,
     *,
     memory: float,
     peak_flops: float,
     devices: int = 2,
     techniques: Techniques | None = None,
-) -> list[Config]:
+) -> list[Layout]:
     """:func:`~lsdl_lab.plan.plan` for the lab's world (``devices`` processes on one CPU,
     gloo) from a measured alpha-beta ``link`` and FLOP rate, in float32 by default (the
     lab's precision). ``tests/book/test_planning.py`` checks it on given alpha and beta,
@@ -126,7 +126,7 @@ def plan_lab(
 
 
 def planned_run(
-    model: Model,
+    model: ModelShape,
     link: AlphaBeta,
     peak_flops: float,
     *,
@@ -134,11 +134,12 @@ def planned_run(
     micro_batch: int | None = None,
     recompute: str = "none",
     devices: int = 2,
-) -> Config:
-    """The planner's configuration of a data-parallel run of :mod:`lsdl_lab.run` on the
-    lab's world: ``dp = devices``, no tensor or pipeline parallelism, the ZeRO stage of
-    ``parallel`` (FSDP2 as ZeRO-3), ``micro_batch`` sequences per micro-batch (default the
-    whole per-rank batch), float32 and Adam(W), as the run is. Its
+) -> Layout:
+    """The planner's :class:`~lsdl_lab.plan.Layout` of a data-parallel run of
+    :mod:`lsdl_lab.run` on the lab's world: ``dp = devices``, no tensor or pipeline
+    parallelism, the ZeRO stage of ``parallel`` (FSDP2 as ZeRO-3), ``micro_batch``
+    sequences per micro-batch (default the whole per-rank batch), float32 and Adam(W), as
+    the run is. Its
     ``memory["total"] - memory["activations"]`` are the model states the run's
     ``memory`` records count; its ``step_time`` sets compute at ``peak_flops`` against
     the run's measured step time."""

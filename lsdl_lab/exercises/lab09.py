@@ -17,7 +17,7 @@ import math
 
 from .._util import check_choice
 from ..check import CheckFailed, answer_or_none, check_function, exercise, with_hints
-from ..plan import Cluster, Model, Techniques, plan
+from ..plan import Cluster, ModelShape, Techniques, plan
 
 PARALLELS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 
@@ -59,7 +59,7 @@ def layouts(
     ``dp = devices / (tp pp)``. Asked of the planner itself, with memory to spare and a
     batch every layout can split."""
     vocab = 64 * math.lcm(*range(1, devices_per_node + 1))  # any tp <= a node divides it
-    model = Model(layers, 64 * heads, heads, 8, vocab, global_batch=devices)
+    model = ModelShape(layers, 64 * heads, heads, 8, vocab, global_batch=devices)
     cluster = Cluster(
         devices=devices,
         devices_per_node=devices_per_node,

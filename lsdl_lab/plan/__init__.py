@@ -1,12 +1,13 @@
 """The planner: choose data, tensor and pipeline degrees, ZeRO stage, micro-batch and
 recomputation for a GPT on a cluster, from the book's own memory and cost models.
 
-:func:`plan` enumerates every layout ``dp x tp x pp = devices`` (tensor parallelism inside
-a node, as Narayanan et al. 2021, Section 3.3, advise), every allowed ZeRO stage,
-micro-batch size b and recomputation policy, with ``global_batch = dp x b x m`` (m
-micro-batches per pipeline and step: the gradient accumulation steps). It keeps the
-configurations whose bytes per device fit, and ranks them by estimated step time. The
-model, stated once here:
+:func:`plan` takes a :class:`ModelShape` (a GPT's layers, width, heads, sequence length,
+vocabulary and global batch) and a :class:`Cluster`, and enumerates every degree
+``dp x tp x pp = devices`` (tensor parallelism inside a node, as Narayanan et al. 2021,
+Section 3.3, advise), every allowed ZeRO stage, micro-batch size b and recomputation
+policy, with ``global_batch = dp x b x m`` (m micro-batches per pipeline and step: the
+gradient accumulation steps). It keeps the layouts (:class:`Layout`) whose bytes per
+device fit, and ranks them by estimated step time. The model, stated once here:
 
 **Memory** (per device, the busiest one): the first pipeline stage. It holds
 ``ceil(layers / pp)`` blocks plus the embeddings (counted on every stage, as Megatron-LM
@@ -63,22 +64,22 @@ there): Megatron-LM's Table 1 rows of 146B-1T parameters (the published layout f
 second; throughput 0.81-0.89 of the published), BLOOM-176B (first; 0.84), Llama 3 405B
 (third; 0.44: outside 2x, as the interleaved schedule it runs is not modelled).
 
-Modules: :mod:`~lsdl_lab.plan.inputs` (:class:`Model`, :class:`Cluster`,
+Modules: :mod:`~lsdl_lab.plan.inputs` (:class:`ModelShape`, :class:`Cluster`,
 :class:`Techniques`), :mod:`~lsdl_lab.plan.estimate` (FLOPs, bytes, communication of one
-configuration), :mod:`~lsdl_lab.plan.search` (:func:`plan`, :class:`Config`,
+layout), :mod:`~lsdl_lab.plan.search` (:func:`plan`, :class:`Layout`,
 :func:`layout_rank`). The planner at lab scale (the world-2 CPU cluster from a measured
 alpha-beta, set against a measured run) belongs to the book's wing,
 :mod:`lsdl_lab.book.planning`.
 """
 
 from .estimate import communication_times, stage_memory, train_flops_per_token
-from .inputs import Cluster, Model, Techniques
-from .search import Config, layout_rank, plan
+from .inputs import Cluster, ModelShape, Techniques
+from .search import Layout, layout_rank, plan
 
 __all__ = [
     "Cluster",
-    "Config",
-    "Model",
+    "Layout",
+    "ModelShape",
     "Techniques",
     "communication_times",
     "layout_rank",

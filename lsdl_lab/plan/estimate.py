@@ -1,4 +1,4 @@
-"""The planner's estimates for one configuration: FLOPs, bytes on the busiest device and
+"""The planner's estimates for one layout: FLOPs, bytes on the busiest device and
 seconds of communication (the models stated in :mod:`lsdl_lab.plan`)."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from ..memory.calculator import (
     optimizer_state_bytes,
 )
 from ..memory.zero import zero_bytes
-from .inputs import Cluster, Model, Techniques
+from .inputs import Cluster, ModelShape, Techniques
 
 __all__ = ["communication_times", "stage_memory", "train_flops_per_token"]
 
 
-def train_flops_per_token(model: Model, recompute: str = "none") -> float:
+def train_flops_per_token(model: ModelShape, recompute: str = "none") -> float:
     """FLOPs per token of a training step (Narayanan et al. 2021, eq. 3, generalized):
     ``72 L h^2 (1 + s/(6h)) + 6 V h``, plus one more forward of the blocks under full
     recomputation (their 96) and of the attention core ``4 L s h`` under selective."""
@@ -31,7 +31,7 @@ def train_flops_per_token(model: Model, recompute: str = "none") -> float:
 
 
 def stage_memory(
-    model: Model,
+    model: ModelShape,
     techniques: Techniques,
     *,
     micro_batch: int,
@@ -66,7 +66,7 @@ def stage_memory(
 
 
 def communication_times(
-    model: Model,
+    model: ModelShape,
     cluster: Cluster,
     *,
     micro_batch: int,

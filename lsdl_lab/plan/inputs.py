@@ -1,4 +1,5 @@
-"""The planner's inputs: the model to train, the cluster, and the techniques allowed."""
+"""The planner's inputs: the shape of the model to train, the cluster, and the techniques
+allowed."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from ..distributed.cost import AlphaBeta
 from ..memory.calculator import PRECISIONS, RECOMPUTE, GPTShape, gpt_param_shapes
 from ..memory.zero import ZERO_STAGES
 
-__all__ = ["Cluster", "Model", "Techniques"]
+__all__ = ["Cluster", "ModelShape", "Techniques"]
 
 
 @dataclass(frozen=True)
-class Model:
-    """A GPT to train (the shape of :class:`~lsdl_lab.memory.calculator.GPTShape`) and its
-    ``global_batch`` in sequences per step."""
+class ModelShape:
+    """The shape of a GPT to train (that of :class:`~lsdl_lab.memory.calculator.GPTShape`,
+    without its micro-batch, which the planner chooses) and its ``global_batch`` in
+    sequences per step: what the planner needs to know of a model, not the model."""
 
     layers: int
     hidden: int
@@ -31,7 +33,7 @@ class Model:
         self.shape(1)  # the shape's own checks
 
     @classmethod
-    def from_shape(cls, shape: GPTShape, global_batch: int) -> Model:
+    def from_shape(cls, shape: GPTShape, global_batch: int) -> ModelShape:
         """The model of a calculator's ``shape`` (its micro-batch left to the planner)."""
         if not isinstance(shape, GPTShape):
             raise TypeError(f"Invalid shape: a {type(shape).__name__} (expected a GPTShape)")

@@ -1,5 +1,5 @@
-"""The search: every layout, ZeRO stage, micro-batch and recomputation that fits, ranked
-by estimated step time."""
+"""The search: every :class:`Layout` (parallel degrees, ZeRO stage, micro-batch and
+recomputation) that fits, ranked by estimated step time."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ from dataclasses import dataclass, field
 
 from .._util import check_int
 from .estimate import communication_times, stage_memory, train_flops_per_token
-from .inputs import Cluster, Model, Techniques
+from .inputs import Cluster, ModelShape, Techniques
 
-__all__ = ["Config", "layout_rank", "plan"]
+__all__ = ["Layout", "layout_rank", "plan"]
 
 
 @dataclass(frozen=True)
-class Config:
-    """One planned configuration and its estimates (seconds, bytes)."""
+class Layout:
+    """One planned layout of a training run: the data-, tensor- and pipeline-parallel degrees
+    (``dp x tp x pp`` devices), the ZeRO stage, the micro-batch and its accumulation, the
+    recomputation policy, and the planner's estimates for them (seconds, bytes). Not a
+    run's configuration (:class:`lsdl_lab.run.Config`): what the planner proposes for one."""
 
     dp: int
     tp: int
@@ -32,9 +35,9 @@ class Config:
     step_time: float
     tokens_per_second: float
 
-    def flops_per_device(self, model: Model, recompute: str | None = None) -> float:
+    def flops_per_device(self, model: ModelShape, recompute: str | None = None) -> float:
         """Achieved FLOP/s per device counted as :func:`train_flops_per_token` with
-        ``recompute`` (default this configuration's: hardware FLOPs; ``"none"``: model
+        ``recompute`` (default this layout's: hardware FLOPs; ``"none"``: model
         FLOPs, the MFU convention)."""
         per_token = train_flops_per_token(model, recompute or self.recompute)
         return self.tokens_per_second * per_token / (self.dp * self.tp * self.pp)
@@ -45,17 +48,17 @@ def _divisors(n: int) -> list[int]:
 
 
 def plan(
-    model: Model,
+    model: ModelShape,
     cluster: Cluster,
     techniques: Techniques | None = None,
     *,
     top: int | None = None,
-) -> list[Config]:
-    """The configurations of ``model`` on ``cluster`` that fit in memory, fastest first
+) -> list[Layout]:
+    """The layouts of ``model`` on ``cluster`` that fit in memory, fastest first
     by estimated step time (the text of :mod:`lsdl_lab.plan` states every assumption).
     ``top`` keeps the first ``top``. An empty list means nothing allowed fits."""
-    if not isinstance(model, Model):
-        raise TypeError(f"Invalid model: a {type(model).__name__} (expected a Model)")
+    if not isinstance(model, ModelShape):
+        raise TypeError(f"Invalid model: a {type(model).__name__} (expected a ModelShape)")
     if not isinstance(cluster, Cluster):
         raise TypeError(f"Invalid cluster: a {type(cluster).__name__} (expected a Cluster)")
     techniques = techniques or Techniques()
@@ -70,7 +73,7 @@ def plan(
     usable = cluster.memory * (1 - cluster.reserve)
     rate = cluster.peak_flops * cluster.efficiency
     tokens = model.global_batch * model.seq_len
-    configs = []
+    layouts = []
     for tp in techniques.tp or _divisors(n):
         if n % tp or tp > cluster.devices_per_node or model.hidden % tp or model.vocab % tp:
             continue
@@ -103,8 +106,8 @@ def plan(
                         psi = mem.pop("psi")
                         comm = communication_times(model, cluster, psi=psi, width=width, **layout)
                         step = compute * (1 + bubble) + sum(comm.values())
-                        configs.append(
-                            Config(
+                        layouts.append(
+                            Layout(
                                 **layout,
                                 accumulation=m,
                                 bytes_per_device=mem["total"],
@@ -116,15 +119,15 @@ def plan(
                                 tokens_per_second=tokens / step,
                             )
                         )
-    configs.sort(key=lambda c: c.step_time)
-    return configs[:top] if top else configs
+    layouts.sort(key=lambda c: c.step_time)
+    return layouts[:top] if top else layouts
 
 
-def layout_rank(configs: list[Config], dp: int, tp: int, pp: int) -> int | None:
-    """The 1-based rank of the layout ``(dp, tp, pp)`` among the distinct layouts of the
-    ranked ``configs`` (each layout ranked by its best configuration), or ``None``."""
+def layout_rank(layouts: list[Layout], dp: int, tp: int, pp: int) -> int | None:
+    """The 1-based rank of the degrees ``(dp, tp, pp)`` among the distinct degrees of the
+    ranked ``layouts`` (each ranked by its best layout), or ``None``."""
     seen = []
-    for c in configs:
+    for c in layouts:
         if (c.dp, c.tp, c.pp) not in seen:
             seen.append((c.dp, c.tp, c.pp))
     return seen.index((dp, tp, pp)) + 1 if (dp, tp, pp) in seen else None

@@ -18,10 +18,10 @@ from lsdl_lab.book.planning import (
 from lsdl_lab.distributed import call_each, spawn
 from lsdl_lab.distributed.cost import AlphaBeta, ring_all_reduce_time
 from lsdl_lab.memory.calculator import gpt_param_shapes
-from lsdl_lab.plan import Model
+from lsdl_lab.plan import ModelShape
 from lsdl_lab.run import Config, run_rank, train
 
-LAB = Model(layers=2, hidden=64, heads=4, seq_len=64, vocab=256, global_batch=8)
+LAB = ModelShape(layers=2, hidden=64, heads=4, seq_len=64, vocab=256, global_batch=8)
 
 
 def test_lab_plan_uses_the_measured_link():

@@ -1,6 +1,6 @@
 """Workers for the distributed tests. A spawned process imports its worker by module and
-name, so these live in a module on ``sys.path`` (the tests add this folder), not in a test
-file that pytest imports under a made-up name."""
+name, so these live in a module on ``sys.path`` (pyproject.toml's pytest ``pythonpath``
+lists this folder), not in a test file that pytest imports under a made-up name."""
 
 import hashlib
 import os

@@ -1,6 +1,6 @@
 """The rank-side half of test_local_sgd.py: one world of 2 runs every check. A spawned
-rank imports its worker by module name, so it lives in this plain module (the test puts
-this folder on sys.path, which the ranks inherit)."""
+rank imports its worker by module name, so it lives in this plain module (pytest's
+``pythonpath`` puts this folder on sys.path, which the ranks inherit)."""
 
 import torch
 import torch.distributed as dist

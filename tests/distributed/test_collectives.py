@@ -3,18 +3,13 @@ world per size W = 2, 3, 4 (all sizes checked inside it); the blocking ring dead
 ends by the group's timeout."""
 
 import re
-import sys
 import time
-from pathlib import Path
 
+import dist_workers
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dist_workers  # noqa: E402
-
-from lsdl_lab.distributed import WorkerError, call_each, ring_all_reduce, spawn  # noqa: E402
+from lsdl_lab.distributed import WorkerError, call_each, ring_all_reduce, spawn
 
 FLOAT64_ROUNDING = 1e-13  # a few ulps of float64, relative to the largest entry
 

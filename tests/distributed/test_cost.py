@@ -1,16 +1,10 @@
 """The alpha-beta model: its formulas, its fit, and its prediction of a size it was not
 fitted on, measured on a real world of 2 processes."""
 
-import sys
-from pathlib import Path
-
+import dist_workers
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dist_workers  # noqa: E402
-
-from lsdl_lab.distributed import (  # noqa: E402
+from lsdl_lab.distributed import (
     AlphaBeta,
     fit_alpha_beta,
     parameter_server_all_reduce_time,

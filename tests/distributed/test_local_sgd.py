@@ -3,19 +3,13 @@ accumulation with no_sync equals the large-batch gradient with one all-reduce; l
 replicas are identical right after averaging, differ between averages, and follow a
 one-process replay of the same schedule; torch's post-local SGD runs on gloo."""
 
-import sys
-from pathlib import Path
-
+import local_sgd_workers as w
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import local_sgd_workers as w  # noqa: E402
-
-from lsdl_lab.distributed import spawn  # noqa: E402
-from lsdl_lab.distributed.local_sgd import PeriodicAverager  # noqa: E402
+from lsdl_lab.distributed import spawn
+from lsdl_lab.distributed.local_sgd import PeriodicAverager
 
 WORLD, PERIOD, WARMUP, STEPS = 2, 3, 2, 9
 

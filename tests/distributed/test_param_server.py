@@ -2,17 +2,11 @@
 all-reduce SGD in float64; asynchronous SGD keeps its staleness within the bound, and
 with bound 0 is sequential SGD on fresh weights, replayed here in one process."""
 
-import sys
-from pathlib import Path
-
+import dist_workers
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dist_workers  # noqa: E402
-
-from lsdl_lab.distributed import asynchronous_sgd, spawn, synchronous_sgd  # noqa: E402
+from lsdl_lab.distributed import asynchronous_sgd, spawn, synchronous_sgd
 
 LR, STEPS = 0.05, 30
 

@@ -9,15 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import dist_workers
 import psutil
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dist_workers  # noqa: E402
-
-from lsdl_lab.distributed import WorkerError, init_from_env, placement, spawn  # noqa: E402
+from lsdl_lab.distributed import WorkerError, init_from_env, placement, spawn
 
 SERVERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 

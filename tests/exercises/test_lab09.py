@@ -11,7 +11,7 @@ import pytest
 from lsdl_lab import check
 from lsdl_lab.check import PLACEHOLDER_MESSAGE, CheckFailed
 from lsdl_lab.exercises import lab09
-from lsdl_lab.plan import Cluster, Model, plan
+from lsdl_lab.plan import Cluster, ModelShape, plan
 
 # -- the references ---------------------------------------------------------------------
 
@@ -39,7 +39,7 @@ def test_layouts_are_the_planners():
     got = lab09.layouts(16, 4, 2, 6)
     assert got == [(4, 2, 2), (8, 1, 2), (8, 2, 1), (16, 1, 1)]
     # on a real model and cluster, every layout the planner returns is among them
-    model = Model(layers=8, hidden=1024, heads=16, seq_len=256, vocab=32768, global_batch=64)
+    model = ModelShape(layers=8, hidden=1024, heads=16, seq_len=256, vocab=32768, global_batch=64)
     cluster = Cluster(
         devices=16,
         devices_per_node=8,

@@ -2,7 +2,8 @@
 (to rounding: float64 runs agree to 1e-10 after 100 steps); state of n + m numbers for an n
 x m matrix (against Adam's 2nm); the factored second moment keeps the row and column means
 of G^2 (and is G^2 itself when G^2 has rank one); the decay schedule, update clipping,
-relative step size, parameter scale and first moment, each against its equation."""
+relative step size, parameter scale and first moment, each against its equation (lr = 0 and
+power-of-two scaling: test_common.py)."""
 
 from __future__ import annotations
 
@@ -14,28 +15,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optim_helpers import (
+    FULL,
+    HYPER,
     NO_SHRINK,
     gradient_sequences,
     ours,
-    power_of_two_scaling_test,
     run,
     single,
     steps,
-    weight_decay,
-    zero_learning_rate_test,
 )
 from state_size import state_bytes, state_shapes, stepped
 
 from lsdl_lab import optim
 
-# Where our settings coincide with torch.optim.Adafactor's (beta1=None, relative_step,
-# scale_parameter, d >= 1); eps1 = 1e-30 would square to 0 in float32 (module docstring)
-HYPER = st.fixed_dictionaries(
-    dict(lr=st.floats(1e-3, 3e-2), beta2_decay=st.floats(-1.0, -0.3),
-         eps1=st.sampled_from([None, 1e-10, 1e-6]), eps2=st.sampled_from([1e-3, 1e-2, 0.1]),
-         d=st.floats(1.0, 3.0), weight_decay=weight_decay)
-)  # fmt: skip
-FULL = dict(lr=1e-2, beta2_decay=-0.6, eps1=1e-8, eps2=1e-2, d=1.5, weight_decay=0.01)
+# where our settings coincide with torch.optim.Adafactor's (optim_helpers.HYPER says which)
+HYPER_AS_TORCH, FULL_AS_TORCH = HYPER["Adafactor"], FULL["Adafactor"]
 
 
 def torch_kw(kw: dict) -> dict:
@@ -93,8 +87,8 @@ def assert_close_run(a, b, dtype):
 
 
 @settings(max_examples=6, deadline=None, phases=NO_SHRINK)
-@given(kw=HYPER, second=st.none() | HYPER, dtype=st.sampled_from([torch.float32, torch.float64]),
-       foreach=st.booleans())  # fmt: skip
+@given(kw=HYPER_AS_TORCH, second=st.none() | HYPER_AS_TORCH,
+       dtype=st.sampled_from([torch.float32, torch.float64]), foreach=st.booleans())  # fmt: skip
 def test_matches_torch_optim(kw, second, dtype, foreach, device):
     # with a second group: the first layer with kw, the others with `second` and the
     # constructor's default lr; foreach=False must agree with torch's foreach path too
@@ -107,22 +101,9 @@ def test_matches_torch_optim(kw, second, dtype, foreach, device):
 def test_matches_torch_optim_on_a_resnet(device):
     # conv weights (factored over their last two dimensions, as torch does), BatchNorm and
     # linear parameters in one multi-tensor call
-    a = run(ours("Adafactor", **FULL), "resnet", torch.float64, steps=25, device=device)
-    b = run(torchs(**FULL), "resnet", torch.float64, steps=25, device=device)
+    a = run(ours("Adafactor", **FULL_AS_TORCH), "resnet", torch.float64, steps=25, device=device)
+    b = run(torchs(**FULL_AS_TORCH), "resnet", torch.float64, steps=25, device=device)
     assert_close_run(a, b, torch.float64)
-
-
-test_zero_learning_rate_leaves_parameters_unchanged = zero_learning_rate_test(
-    "Adafactor",
-    HYPER.flatmap(lambda kw: st.fixed_dictionaries(dict(
-        beta1=st.sampled_from([None, 0.9]), relative_step=st.booleans(),
-        scale_parameter=st.booleans())).map(lambda more: kw | more)),
-)  # fmt: skip
-# Adafactor's update does not depend on the gradient's scale: with eps1 = 0, scaling every
-# gradient by 2^k changes nothing, bit for bit
-test_power_of_two_gradient_scaling_is_exact = power_of_two_scaling_test(
-    "Adafactor", dict(lr=1e-2, eps1=0.0, beta1=0.9), lambda c: {}
-)
 
 
 # -- memory: n + m numbers for an n x m matrix -------------------------------------------------
@@ -252,10 +233,3 @@ def test_first_moment_averages_the_clipped_update(beta1, device):
     for t, g, _, dw in steps(opt, p, [[2.0, -1.0, 0.5, 3.0]] * 10, torch.float64):
         expected = -0.1 * (1 - beta1**t) * 0.5 * torch.sign(g)
         torch.testing.assert_close(dw, expected, rtol=1e-14, atol=0)
-
-
-def test_edges_of_the_ranges_are_accepted():
-    w = [torch.zeros(2, 3, requires_grad=True)]
-    optim.Adafactor(w, lr=0.0, beta2_decay=-1.0, eps1=0.0, eps2=0.0, d=1e-3, weight_decay=0.0,
-                    beta1=0.0)  # fmt: skip
-    optim.Adafactor(w, beta2_decay=-1e-9, d=math.inf, beta1=0.999)

@@ -1,5 +1,5 @@
-"""Tests of lsdl_lab.optim.adagrad: bit for bit torch.optim.Adagrad, the accumulator's
-initial value read per group, and a step that never grows."""
+"""Tests of lsdl_lab.optim.adagrad: the accumulator's initial value read per group, and a
+step that never grows (bit for bit torch.optim.Adagrad: test_common.py)."""
 
 from __future__ import annotations
 
@@ -9,41 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optim_helpers import (
-    eps,
     gradient_sequences,
-    maybe,
-    power_of_two_scaling_test,
     single,
     steps,
-    torch_reference_tests,
-    weight_decay,
-    zero_learning_rate_test,
 )
 
 from lsdl_lab import optim
-
-HYPER = st.fixed_dictionaries(
-    dict(lr=st.floats(1e-3, 0.3), lr_decay=maybe(st.floats(0.0, 0.1)),
-         weight_decay=weight_decay, initial_accumulator_value=maybe(st.floats(0.0, 1.0)),
-         eps=eps)
-)  # fmt: skip
-FULL = dict(lr=0.1, lr_decay=0.01, weight_decay=1e-3, initial_accumulator_value=0.1, eps=1e-8)
-
-(
-    test_same_arguments_and_defaults_as_torch,
-    test_matches_torch_optim,
-    test_matches_torch_optim_on_a_resnet,
-    # torch.optim reads initial_accumulator_value from its constructor only (test below)
-) = torch_reference_tests("Adagrad", HYPER, FULL, constructor_only=("initial_accumulator_value",))
-test_zero_learning_rate_leaves_parameters_unchanged = zero_learning_rate_test("Adagrad", HYPER)
-test_power_of_two_gradient_scaling_is_exact = power_of_two_scaling_test(
-    "Adagrad", dict(lr=0.1, eps=0.0, lr_decay=0.1), lambda c: {}
-)
-
-
-def test_edges_of_the_ranges_are_accepted():
-    optim.Adagrad([torch.zeros(2, requires_grad=True)], lr=0.0, lr_decay=0.0, weight_decay=0.0,
-                  initial_accumulator_value=0.0, eps=0.0)  # fmt: skip
 
 
 def test_adagrad_initial_accumulator_value_per_group(device):

@@ -1,6 +1,7 @@
-"""Tests of lsdl_lab.optim.adam: bit for bit torch.optim.Adam and AdamW (AMSGrad, coupled and
-decoupled weight decay), AdamW as Adam with ``decoupled_weight_decay=True``, and Adam's own
-properties: step bounds and the AMSGrad maximum."""
+"""Tests of lsdl_lab.optim.adam: AdamW as Adam with ``decoupled_weight_decay=True`` (and that
+flag against torch's), and Adam's own properties: step bounds and the AMSGrad maximum. Bit
+for bit torch.optim.Adam and AdamW (AMSGrad, coupled and decoupled weight decay):
+test_common.py."""
 
 from __future__ import annotations
 
@@ -11,61 +12,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optim_helpers import (
+    FULL,
     assert_same,
-    betas,
-    eps,
     gradient_sequences,
-    lr,
     ours,
-    power_of_two_scaling_test,
     run,
     single,
     steps,
-    torch_reference_tests,
     torchs,
-    weight_decay,
-    zero_learning_rate_test,
 )
 
 from lsdl_lab import optim
 
-HYPER = st.fixed_dictionaries(
-    dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=st.booleans())
-)
-HYPER_ADAM = st.one_of(
-    HYPER, HYPER.map(lambda kw: kw | dict(decoupled_weight_decay=True))
-)  # torch.optim.Adam has the flag too
-FULL = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2, amsgrad=True)
-FULL_W = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, amsgrad=True)
-
-(
-    test_same_arguments_and_defaults_as_torch,
-    test_matches_torch_optim,
-    test_matches_torch_optim_on_a_resnet,
-) = torch_reference_tests("Adam", HYPER_ADAM, FULL)
-(
-    test_adamw_same_arguments_and_defaults_as_torch,
-    test_adamw_matches_torch_optim,
-    test_adamw_matches_torch_optim_on_a_resnet,
-) = torch_reference_tests("AdamW", HYPER, FULL_W)
-test_zero_learning_rate_leaves_parameters_unchanged = zero_learning_rate_test("Adam", HYPER_ADAM)
-test_power_of_two_gradient_scaling_is_exact = power_of_two_scaling_test(
-    "Adam", dict(lr=1e-3, eps=0.0, amsgrad=True), lambda c: {}
-)
-test_adamw_power_of_two_gradient_scaling_is_exact = power_of_two_scaling_test(
-    "AdamW", dict(lr=1e-3, eps=0.0, weight_decay=0.1), lambda c: {}
-)
-
-
-def test_edges_of_the_ranges_are_accepted():
-    for cls in (optim.Adam, optim.AdamW):
-        cls([torch.zeros(2, requires_grad=True)], lr=0.0, weight_decay=0.0, betas=(0.0, 0.0),
-            eps=0.0)  # fmt: skip
-
 
 def test_adamw_is_adam_with_decoupled_weight_decay(device):
-    a = run(ours("AdamW", **FULL_W), device=device)
-    b = run(ours("Adam", **FULL_W, decoupled_weight_decay=True), device=device)
+    a = run(ours("AdamW", **FULL["AdamW"]), device=device)
+    b = run(ours("Adam", **FULL["AdamW"], decoupled_weight_decay=True), device=device)
     assert_same(a, b)
     assert a[1].param_groups[0]["decoupled_weight_decay"] is True
     assert not hasattr(optim.Adam, "decoupled")  # one way to say it: the flag

@@ -1,11 +1,11 @@
 """Tests of lsdl_lab.optim.base: the shared validation (one message format, TypeError for a
 wrong type, every flag a bool, found from the constructor), the state helpers, parameter
-groups, and that every optimizer with a torch.optim namesake has its reference tests."""
+groups (that every optimizer with a torch.optim namesake has its reference tests:
+test_common.py)."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -99,20 +99,3 @@ def test_named_parameters_are_accepted_and_complex_ones_refused():
     z = torch.zeros(2, dtype=torch.complex64, requires_grad=True)
     with pytest.raises(ValueError, match="complex"):
         optim.SGD([("z", z)], lr=0.1)
-
-
-# Namesakes that agree with torch.optim to a stated tolerance, not bit for bit (their
-# reference tests say why), and the test file that holds those tests.
-TOLERANCE_REFERENCES = {"Adafactor": "test_adafactor.py"}
-
-
-def test_every_optimizer_with_a_torch_namesake_has_its_reference_tests():
-    with_namesake = {n for n in optim.__all__ if n != "Optimizer" and hasattr(torch.optim, n)}
-    here = Path(__file__).parent
-    tested = set()
-    for path in here.glob("test_*.py"):
-        tested |= set(re.findall(r'torch_reference_tests\(\s*"(\w+)"', path.read_text()))
-    for name, file in TOLERANCE_REFERENCES.items():
-        if "def test_matches_torch_optim" in (here / file).read_text():
-            tested.add(name)
-    assert with_namesake == tested

@@ -35,6 +35,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same_tree
 from torch import fx, nn
 
 from lsdl_lab import optim
@@ -178,32 +179,13 @@ def runs(name, device="cpu"):
     return RUNS[key]
 
 
-def assert_close_state(a, b, where="state"):
-    """The same nested state, key for key and type for type; tensors close (within their
-    dtype's tolerance), or equal."""
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        torch.testing.assert_close(a, b, **TOLERANCE.get(a.dtype, dict(rtol=0, atol=0)), msg=where)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_close_state(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_close_state(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def assert_close_run(a, b):
     (models_a, opt_a), (models_b, opt_b) = a[:2], b[:2]
     params = list(zip(models_a.parameters(), models_b.parameters(), strict=True))
     assert {p.dtype for p, _ in params} == set(DTYPES)
     for pa, pb in params:
         torch.testing.assert_close(pa, pb, **TOLERANCE[pa.dtype])
-    assert_close_state(opt_a.state_dict(), opt_b.state_dict())
+    assert_same_tree(opt_a.state_dict(), opt_b.state_dict(), tolerance=TOLERANCE)
 
 
 def ancestors(node) -> set:
@@ -462,7 +444,7 @@ def test_a_run_switches_path_on_resume(name):
     assert_close_run(to_compiled, eager)
     assert_close_run(to_eager, eager)
     # the checkpoints of the two paths hold the same state, type for type
-    assert_close_state(compiled[2]["opt"], eager[2]["opt"])
+    assert_same_tree(compiled[2]["opt"], eager[2]["opt"], tolerance=TOLERANCE)
 
 
 # -- where compiling is impossible -----------------------------------------------------------

@@ -9,6 +9,8 @@ their option sets (the pattern of torch's ``common_optimizers.py``).
 * bad hyperparameters raise ValueError (a bad value) or TypeError (a wrong type, a flag
   that is not a bool) naming the argument, at construction and in ``add_param_group``,
   which then keeps no half-added group;
+* a hyperparameter at an edge of its range (``Spec.edges``) is accepted: kept as given in
+  ``defaults`` and in the groups, and a step with it leaves finite parameters;
 * ``compile`` (the compiled path, tests/optim/test_compiled.py) is a keyword-only flag
   that needs ``foreach=True``;
 * sparse gradients and complex parameters are refused; parameters without a gradient are
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same_tree
 
 from lsdl_lab import optim
 from lsdl_lab.models import MLP
@@ -70,12 +73,15 @@ def outputs_closure(model, opt, x, y):
 class Spec:
     """An optimizer in the contract: its class, the option sets (hyperparameters) to run it
     with, its arguments that are not hyperparameters (``fixed``), the bad values proper to
-    it as (arguments, error, words of the message), and whether a group's update depends on
-    that group's parameters alone (``separable``; SAM's perturbation has a global norm)."""
+    it as (arguments, error, words of the message), the values at the edges of their ranges
+    that it accepts (``edges``: one hyperparameter each, the others left at their defaults),
+    and whether a group's update depends on that group's parameters alone (``separable``;
+    SAM's perturbation has a global norm)."""
 
     cls: type
     options: tuple[dict, ...]
     bad: tuple[tuple[dict, type, str], ...] = ()
+    edges: tuple[dict, ...] = ()
     fixed: dict = field(default_factory=dict)
     separable: bool = True
     closure: Callable = backward_closure  # (model, opt, x, y) -> the closure step takes
@@ -92,6 +98,9 @@ BETAS_BAD = tuple(
     (dict(betas=b), ValueError, f"Invalid beta parameter at index {i}: {b[i]!r}")
     for i, b in [(0, (1.0, 0.999)), (0, (-0.1, 0.999)), (1, (0.9, 1.0)), (1, (0.9, nan))]
 ) + ((dict(betas=(0.9,)), ValueError, "Invalid betas: (0.9,)"),)
+# the edges of the Adam family's shared ranges: betas in [0, 1), eps and weight decay >= 0
+ADAM_EDGES = (dict(lr=0.0), dict(betas=(0.0, 0.0)), dict(betas=(0.999, 0.9999)), dict(eps=0.0),
+              dict(weight_decay=0.0))  # fmt: skip
 MOMENTUM_BAD = (
     (dict(momentum=1.0), ValueError,
      "Invalid momentum value: 1.0 (expected a finite number in [0, 1))"),
@@ -104,30 +113,40 @@ OPTIMIZERS = [
          MOMENTUM_BAD + ((dict(dampening=-0.1), ValueError, "Invalid dampening value: -0.1"),
                          (dict(nesterov=True), ValueError, "Nesterov momentum requires a momentum"),
                          (dict(momentum=0.9, dampening=0.1, nesterov=True), ValueError,
-                          "zero dampening"))),
+                          "zero dampening")),
+         edges=(dict(lr=0.0), dict(momentum=0.0), dict(momentum=0.999), dict(dampening=0.0),
+                dict(dampening=1.0), dict(weight_decay=0.0))),
     Spec(optim.Adagrad, (dict(lr=0.1), dict(lr=0.1, lr_decay=0.01, weight_decay=1e-3,
                                             initial_accumulator_value=0.1, eps=1e-8)),
          ((dict(lr_decay=-0.1), ValueError, "Invalid lr_decay value: -0.1"),
           (dict(initial_accumulator_value=-1.0), ValueError,
-           "Invalid initial_accumulator_value value: -1.0"))),
+           "Invalid initial_accumulator_value value: -1.0")),
+         edges=(dict(lr=0.0), dict(lr_decay=0.0), dict(weight_decay=0.0),
+                dict(initial_accumulator_value=0.0), dict(eps=0.0))),
     Spec(optim.RMSprop, (dict(lr=1e-3), dict(lr=1e-3, alpha=0.9, eps=1e-6, weight_decay=1e-3,
                                              momentum=0.5, centered=True)),
          MOMENTUM_BAD + ((dict(alpha=-0.1), ValueError, "Invalid alpha value: -0.1"),
-                         (dict(alpha=1.5), ValueError, "Invalid alpha value: 1.5"))),
+                         (dict(alpha=1.5), ValueError, "Invalid alpha value: 1.5")),
+         edges=(dict(lr=0.0), dict(alpha=0.0), dict(alpha=1.0), dict(eps=0.0), dict(momentum=0.0),
+                dict(weight_decay=0.0))),
     Spec(optim.Adadelta, (dict(lr=1.0), dict(lr=0.5, rho=0.8, eps=1e-5, weight_decay=1e-3)),
          ((dict(rho=-0.1), ValueError, "Invalid rho value: -0.1"),
-          (dict(rho=1.1), ValueError, "Invalid rho value: 1.1"))),
+          (dict(rho=1.1), ValueError, "Invalid rho value: 1.1")),
+         edges=(dict(lr=0.0), dict(rho=0.0), dict(rho=1.0), dict(eps=0.0),
+                dict(weight_decay=0.0))),
     Spec(optim.Adam, (dict(lr=1e-2), dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2,
                                           amsgrad=True),
-                      dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)), BETAS_BAD),
+                      dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)), BETAS_BAD,
+         edges=ADAM_EDGES),
     Spec(optim.AdamW, (dict(lr=1e-2), dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1,
-                                           amsgrad=True)), BETAS_BAD),
+                                           amsgrad=True)), BETAS_BAD, edges=ADAM_EDGES),
     Spec(optim.Adamax, (dict(lr=1e-2), dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6,
-                                            weight_decay=1e-3)), BETAS_BAD),
+                                            weight_decay=1e-3)), BETAS_BAD, edges=ADAM_EDGES),
     Spec(optim.NAdam, (dict(lr=1e-2), dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2,
                                            momentum_decay=1e-2, decoupled_weight_decay=True)),
          BETAS_BAD + ((dict(momentum_decay=-1e-3), ValueError,
-                       "Invalid momentum_decay value: -0.001"),)),
+                       "Invalid momentum_decay value: -0.001"),),
+         edges=ADAM_EDGES + (dict(momentum_decay=0.0),)),
     Spec(optim.LARS, (dict(lr=2.0), dict(lr=2.0, momentum=0.9, weight_decay=1e-3, nesterov=True),
                       dict(lr=0.5, momentum=0.0, trust=False, weight_decay=1e-3)),
          MOMENTUM_BAD + ((dict(trust_coefficient=0.0), ValueError,
@@ -161,8 +180,12 @@ OPTIMIZERS = [
           (dict(beta1=1.0), ValueError,
            "Invalid beta1 value: 1.0 (expected a finite number in [0, 1))"),
           (dict(beta1=-0.1), ValueError, "Invalid beta1 value: -0.1"),
-          (dict(beta1="0.9"), TypeError, "Invalid beta1 value: '0.9'"))),
-    Spec(optim.SM3, (dict(lr=0.1), dict(lr=0.05, momentum=0.9, eps=1e-8)), MOMENTUM_BAD),
+          (dict(beta1="0.9"), TypeError, "Invalid beta1 value: '0.9'")),
+         edges=(dict(lr=0.0), dict(beta2_decay=-1.0), dict(beta2_decay=-1e-9), dict(eps1=0.0),
+                dict(eps2=0.0), dict(d=1e-3), dict(d=inf), dict(weight_decay=0.0),
+                dict(beta1=0.0), dict(beta1=0.999))),
+    Spec(optim.SM3, (dict(lr=0.1), dict(lr=0.05, momentum=0.9, eps=1e-8)), MOMENTUM_BAD,
+         edges=(dict(lr=0.0), dict(momentum=0.0), dict(momentum=0.999), dict(eps=0.0))),
     Spec(optim.KFAC, (dict(lr=0.05, fisher="empirical"),
                       dict(lr=0.05, fisher="empirical", damping=1e-2, update_freq=3,
                            factor_decay=0.9, kl_clip=None, momentum=0.5, weight_decay=1e-3)),
@@ -255,28 +278,11 @@ def train(model, opt, steps):
     return model, opt
 
 
-def assert_equal(a, b, where="state"):
-    """Equal nested state (dicts, lists, tensors, numbers), tensors bit for bit."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_equal(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b or (a != a and b != b), where
-
-
 def assert_same_run(a, b):
     (model_a, opt_a), (model_b, opt_b) = a, b
     for pa, pb in zip(model_a.parameters(), model_b.parameters(), strict=True):
         assert torch.equal(pa, pb)
-    assert_equal(opt_a.state_dict()["state"], opt_b.state_dict()["state"])
+    assert_same_tree(opt_a.state_dict()["state"], opt_b.state_dict()["state"])  # bit for bit
 
 
 STEPS = 8
@@ -397,6 +403,30 @@ def test_bad_hyperparameters_are_refused_by_name(spec, kw, error, pattern):
     with pytest.raises(error, match=pattern):
         opt.add_param_group(dict(params=[q], **kw))
     assert len(opt.param_groups) == 1  # the invalid group did not stay behind
+
+
+EDGES = [(spec, edge) for spec in OPTIMIZERS for edge in spec.edges]
+
+
+def _edge_id(x) -> str:
+    return str(x) if isinstance(x, Spec) else ",".join(f"{k}={v}" for k, v in x.items())
+
+
+@pytest.mark.parametrize(("spec", "edge"), EDGES, ids=_edge_id)
+def test_edges_of_the_ranges_are_accepted(spec, edge, device):
+    """At an edge of its range a hyperparameter is kept as given, in ``defaults`` and in the
+    groups (one added later too), and a step with it leaves finite parameters (on gradients
+    without zeros: an eps of 0 divides a zero gradient by zero, in torch.optim too)."""
+    gen = torch.Generator().manual_seed(0)
+    p, q = (torch.randn(3, 4, generator=gen).to(device).requires_grad_() for _ in range(2))
+    opt = spec.make([p], **edge)
+    opt.add_param_group(dict(params=[q], **edge))
+    for key, value in edge.items():
+        for where in (opt.defaults, *opt.param_groups):
+            assert type(where[key]) is type(value) and where[key] == value, (key, where[key])
+    p.grad, q.grad = (torch.randn(3, 4, generator=gen).to(device) for _ in range(2))
+    opt.step()
+    assert torch.isfinite(p).all() and torch.isfinite(q).all()
 
 
 def test_the_flags_are_checked_alike():

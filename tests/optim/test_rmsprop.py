@@ -1,5 +1,6 @@
-"""Tests of lsdl_lab.optim.rmsprop: bit for bit torch.optim.RMSprop (centered, momentum,
-weight decay), its step bound, and its ranges (momentum in [0, 1), stricter than torch)."""
+"""Tests of lsdl_lab.optim.rmsprop: its step bound, and ``centered`` must be a bool (bit for
+bit torch.optim.RMSprop, centered, with momentum and weight decay: test_common.py; momentum
+in [0, 1), stricter than torch: test_contract.py)."""
 
 from __future__ import annotations
 
@@ -10,40 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optim_helpers import (
-    eps,
     gradient_sequences,
-    maybe,
-    power_of_two_scaling_test,
     single,
     steps,
-    torch_reference_tests,
-    weight_decay,
-    zero_learning_rate_test,
 )
 
 from lsdl_lab import optim
-
-HYPER = st.fixed_dictionaries(
-    dict(lr=st.floats(1e-4, 1e-2), alpha=st.floats(0.5, 0.999), eps=eps,
-         weight_decay=weight_decay, momentum=maybe(st.floats(0.0, 0.95)),
-         centered=st.booleans())
-)  # fmt: skip
-FULL = dict(lr=1e-3, alpha=0.9, eps=1e-6, weight_decay=1e-3, momentum=0.5, centered=True)
-
-(
-    test_same_arguments_and_defaults_as_torch,
-    test_matches_torch_optim,
-    test_matches_torch_optim_on_a_resnet,
-) = torch_reference_tests("RMSprop", HYPER, FULL)
-test_zero_learning_rate_leaves_parameters_unchanged = zero_learning_rate_test("RMSprop", HYPER)
-test_power_of_two_gradient_scaling_is_exact = power_of_two_scaling_test(
-    "RMSprop", dict(lr=1e-3, eps=0.0, momentum=0.5, centered=True), lambda c: {}
-)
-
-
-def test_edges_of_the_ranges_are_accepted():
-    optim.RMSprop([torch.zeros(2, requires_grad=True)], lr=0.0, alpha=1.0, eps=0.0,
-                  momentum=0.0, weight_decay=0.0)  # fmt: skip
 
 
 def test_centered_must_be_a_bool():

@@ -1,48 +1,18 @@
-"""Tests of lsdl_lab.optim.sgd: bit for bit torch.optim.SGD (heavy ball, Nesterov, dampening,
-weight decay), and its own properties. The contract (foreach, resume, groups, bad input)
-is tested for every optimizer in test_contract.py."""
+"""Tests of lsdl_lab.optim.sgd: its own properties (momentum stricter than torch's,
+``nesterov`` a bool, the heavy ball's geometric sum). Bit for bit torch.optim.SGD (heavy
+ball, Nesterov, dampening, weight decay) and the common properties are tested in
+test_common.py; the contract (foreach, resume, groups, bad input, edges of the ranges) for
+every optimizer in test_contract.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import strategies as st
 from optim_helpers import (
-    maybe,
-    power_of_two_scaling_test,
     single,
-    torch_reference_tests,
-    weight_decay,
-    zero_learning_rate_test,
 )
 
 from lsdl_lab import optim
-
-HYPER = st.one_of(
-    st.fixed_dictionaries(
-        dict(lr=st.floats(0.0, 0.1), momentum=maybe(st.floats(0.0, 0.99)),
-             dampening=maybe(st.floats(0.0, 1.0)), weight_decay=weight_decay)
-    ),
-    st.fixed_dictionaries(
-        dict(lr=st.floats(0.0, 0.1), momentum=st.floats(0.01, 0.99),
-             nesterov=st.just(True), weight_decay=weight_decay)
-    ),
-)  # fmt: skip
-FULL = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3)
-
-(
-    test_same_arguments_and_defaults_as_torch,
-    test_matches_torch_optim,
-    test_matches_torch_optim_on_a_resnet,
-) = torch_reference_tests("SGD", HYPER, FULL)
-test_zero_learning_rate_leaves_parameters_unchanged = zero_learning_rate_test("SGD", HYPER)
-test_power_of_two_gradient_scaling_is_exact = power_of_two_scaling_test(
-    "SGD", dict(lr=0.01, momentum=0.9, dampening=0.1), lambda c: dict(lr=0.01 / c)
-)
-
-
-def test_edges_of_the_ranges_are_accepted():
-    optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.0, momentum=0.0, dampening=0.0)
 
 
 def test_momentum_is_stricter_than_torch():

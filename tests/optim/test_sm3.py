@@ -1,7 +1,7 @@
 """Tests of lsdl_lab.optim.sm3: bit for bit pytorch-optimizer's SM3 (with its beta = 0, the
 paper's SM3-II); state of n + m numbers for an n x m matrix (against Adam's 2nm); the
 accumulators bound the sum of squared gradients (so the step is never larger than
-Adagrad's); a vector's SM3 is Adagrad."""
+Adagrad's); a vector's SM3 is Adagrad (lr = 0 and power-of-two scaling: test_common.py)."""
 
 from __future__ import annotations
 
@@ -13,24 +13,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from optim_helpers import (
     EXACT,
+    FULL,
+    HYPER,
     NO_SHRINK,
     gradient_sequences,
     optimizer,
     ours,
-    power_of_two_scaling_test,
     run,
     single,
     steps,
-    zero_learning_rate_test,
 )
 from state_size import state_bytes, state_shapes, stepped
 
 from lsdl_lab import optim
-
-HYPER = st.fixed_dictionaries(
-    dict(lr=st.floats(1e-3, 0.2), momentum=st.sampled_from([0.0, 0.5, 0.9]),
-         eps=st.sampled_from([1e-30, 1e-8]))
-)  # fmt: skip
 
 
 def assert_same_as_reference(a, b):
@@ -55,7 +50,7 @@ def test_same_defaults_as_pytorch_optimizer():
 @given(data=st.data())
 def test_matches_pytorch_optimizer(data, device):
     # pytorch-optimizer's SM3 runs on any device, with the same operations (rsqrt included)
-    kw = data.draw(HYPER, label="hyperparameters")
+    kw = data.draw(HYPER["SM3"], label="hyperparameters")
     dtype = data.draw(st.sampled_from([torch.float32, torch.float64]), label="dtype")
     foreach = data.draw(st.booleans(), label="foreach")
     a = run(ours("SM3", **kw, foreach=foreach), dtype=dtype, device=device)
@@ -65,17 +60,10 @@ def test_matches_pytorch_optimizer(data, device):
 
 def test_matches_pytorch_optimizer_on_a_resnet(device):
     # order-4 conv weights (four accumulators each), BatchNorm vectors, linear matrices
-    kw = dict(lr=0.05, momentum=0.9)
+    kw = FULL["SM3"]
     a = run(ours("SM3", **kw), "resnet", steps=25, device=device)
     b = run(optimizer(pytorch_optimizer, "SM3", **kw), "resnet", steps=25, device=device)
     assert_same_as_reference(a, b)
-
-
-test_zero_learning_rate_leaves_parameters_unchanged = zero_learning_rate_test("SM3", HYPER)
-# g / sqrt(nu) does not depend on the gradient's scale: with eps = 0, bit for bit
-test_power_of_two_gradient_scaling_is_exact = power_of_two_scaling_test(
-    "SM3", dict(lr=0.1, eps=0.0, momentum=0.9), lambda c: {}
-)
 
 
 # -- memory: n + m numbers for an n x m matrix -------------------------------------------------
@@ -160,8 +148,3 @@ def test_matrix_accumulators_are_the_row_and_column_maxima(device):
     opt.step()  # nu_2 = min(row, col) + 1
     assert state["accumulator_0"].flatten().tolist() == [5.0, 10.0]
     assert state["accumulator_1"].flatten().tolist() == [2.0, 5.0, 10.0]
-
-
-def test_edges_of_the_ranges_are_accepted():
-    optim.SM3([torch.zeros(2, requires_grad=True)], lr=0.0, momentum=0.0, eps=0.0)
-    optim.SM3([torch.zeros(2, requires_grad=True)], momentum=0.999)

@@ -1,7 +1,7 @@
 """Workers for the model-parallel tests. A spawned process imports its worker by module and
-name, so these live in a module on ``sys.path`` (the tests add this folder). Each rank
-builds the dense model from the same seed and compares its own shard with it, so only
-small reports travel back."""
+name, so these live in a module on ``sys.path`` (pytest's ``pythonpath`` adds this
+folder). Each rank builds the dense model from the same seed and compares its own shard
+with it, so only small reports travel back."""
 
 import copy
 import functools

@@ -5,18 +5,13 @@ process's (float64, world 2, m = 4, GPipe and 1F1B), the peak of activations in 
 torch.distributed.pipelining as a reference."""
 
 import functools
-import sys
-from pathlib import Path
 
+import parallel_workers as pw
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import parallel_workers as pw  # noqa: E402
-
-from lsdl_lab.distributed import WorkerError, call_each, spawn  # noqa: E402
-from lsdl_lab.parallel import (  # noqa: E402
+from lsdl_lab.distributed import WorkerError, call_each, spawn
+from lsdl_lab.parallel import (
     bubble_fraction,
     gpipe_schedule,
     one_f_one_b_schedule,

@@ -2,16 +2,10 @@
 the input's gradient, and each rank's parameter gradients against the slices of the dense
 ones), with the all-reduces Megatron's design promises. One spawn for all the checks."""
 
-import sys
-from pathlib import Path
-
+import parallel_workers
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import parallel_workers  # noqa: E402
-
-from lsdl_lab.distributed import spawn  # noqa: E402
+from lsdl_lab.distributed import spawn
 
 FLOAT64 = 1e-12
 PIECES = ("column", "row", "mlp", "attention", "block", "gpt")

@@ -8,7 +8,7 @@ efficiency, 0.5 of its 312 TFLOP/s bf16 peak, never fitted per run.
 
 import pytest
 
-from lsdl_lab.plan import Cluster, Model
+from lsdl_lab.plan import Cluster, ModelShape
 
 A100 = dict(
     devices_per_node=8,
@@ -29,7 +29,7 @@ def a100():
 
 @pytest.fixture
 def small():
-    return Model(layers=8, hidden=1024, heads=16, seq_len=1024, vocab=32768, global_batch=64)
+    return ModelShape(layers=8, hidden=1024, heads=16, seq_len=1024, vocab=32768, global_batch=64)
 
 
 @pytest.fixture

@@ -6,13 +6,13 @@ import math
 import pytest
 
 from lsdl_lab.memory.calculator import gpt_memory, gpt_param_shapes
-from lsdl_lab.plan import Model, Techniques, plan, train_flops_per_token
+from lsdl_lab.plan import ModelShape, Techniques, plan, train_flops_per_token
 
 
 def test_flops_count_is_narayanan_eq3():
     # Narayanan et al. 2021, Section 5.1, eq. 3 (full recomputation): 96 B s L h^2
     # (1 + s/(6h) + V/(16 L h)).
-    model = Model(96, 12288, 96, 2048, 51200, 1536)
+    model = ModelShape(96, 12288, 96, 2048, 51200, 1536)
     B, s, L, h, V = 1536, 2048, 96, 12288, 51200
     paper = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     assert train_flops_per_token(model, "full") * B * s == pytest.approx(paper, rel=1e-12)

@@ -3,24 +3,24 @@
 import pytest
 
 from lsdl_lab.memory.calculator import GPTShape
-from lsdl_lab.plan import Cluster, Model, Techniques
+from lsdl_lab.plan import Cluster, ModelShape, Techniques
 
 
 def test_model_from_a_calculator_shape():
     shape = GPTShape(layers=4, hidden=256, heads=8, seq_len=128, micro_batch=3, vocab=1000)
-    model = Model.from_shape(shape, global_batch=32)
-    assert model == Model(4, 256, 8, 128, 1000, 32)
+    model = ModelShape.from_shape(shape, global_batch=32)
+    assert model == ModelShape(4, 256, 8, 128, 1000, 32)
     h = 256  # 12h^2 + 13h per block, token and position embeddings, final LayerNorm
     assert model.params == 4 * (12 * h * h + 13 * h) + 1000 * h + 128 * h + 2 * h
     with pytest.raises(TypeError, match="shape"):
-        Model.from_shape((4, 256), global_batch=32)
+        ModelShape.from_shape((4, 256), global_batch=32)
 
 
 def test_bad_inputs_are_named(a100):
     with pytest.raises(ValueError, match="global_batch"):
-        Model(2, 64, 4, 16, 100, 0)
+        ModelShape(2, 64, 4, 16, 100, 0)
     with pytest.raises(ValueError, match="heads"):
-        Model(2, 64, 5, 16, 100, 8)
+        ModelShape(2, 64, 5, 16, 100, 8)
     with pytest.raises(ValueError, match="efficiency"):
         Cluster(devices=8, **dict(a100, efficiency=1.5))
     with pytest.raises(ValueError, match="efficiency"):

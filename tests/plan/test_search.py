@@ -13,7 +13,7 @@ per GPU counted by each paper's own formula; we convert the estimate with the sa
 
 import pytest
 
-from lsdl_lab.plan import Cluster, Model, Techniques, layout_rank, plan
+from lsdl_lab.plan import Cluster, ModelShape, Techniques, layout_rank, plan
 
 MEGATRON_2021 = Techniques(zero_stages=(0,), recompute=("full",))
 
@@ -48,7 +48,7 @@ MEGATRON_ROWS = [
 @pytest.mark.parametrize("row", MEGATRON_ROWS, ids=lambda r: f"{r[0]}B")
 def test_megatron_table1(row, a100):
     params, heads, hidden, layers, pp, gpus, batch, tflops = row
-    model = Model(layers, hidden, heads, 2048, 51200, batch)
+    model = ModelShape(layers, hidden, heads, 2048, 51200, batch)
     assert model.params / 1e9 == pytest.approx(params, rel=2e-3)
     published = (gpus // (8 * pp), 8, pp)
     rank, ratio, _ = _validate(
@@ -75,7 +75,7 @@ def test_bloom_176b(a100):
     # recomputation are the training script's (tr11-176B-ml, as we read it, not rechecked).
     # Links: 4 NVLink3 links x 25 GB/s = 100 GB/s per GPU and direction inside a node, 4 x
     # 100 Gbps / 8 GPUs = 6.25 GB/s per GPU between nodes.
-    model = Model(70, 14336, 112, 2048, 250880, 2048)
+    model = ModelShape(70, 14336, 112, 2048, 250880, 2048)
     cluster = Cluster(devices=384, **dict(a100, intra_bandwidth=100e9, inter_bandwidth=6.25e9))
     techniques = Techniques(zero_stages=(1,), micro_batches=(2,), recompute=("full",))
     rank, ratio, configs = _validate(model, cluster, techniques, (8, 4, 12), 150)
@@ -95,7 +95,7 @@ def test_llama3_405b_expected_miss(a100):
     # at 400 TFLOP/s per GPU (41% BF16 MFU). Checked: https://ai-papers.xuzou.cn/papers/
     # llama3_2024 (16K H100, 8 per server, NVLink, 400 Gbps). Our GPT (4h MLP, all heads
     # keyed) has 408B parameters for this shape: within 1% of its 405B (SwiGLU, GQA).
-    model = Model(126, 16384, 128, 8192, 128000, 2048)
+    model = ModelShape(126, 16384, 128, 8192, 128000, 2048)
     assert model.params / 1e9 == pytest.approx(405, rel=0.01)
     h100 = dict(a100, intra_bandwidth=450e9, inter_bandwidth=50e9, peak_flops=989e12)
     techniques = Techniques(micro_batches=(1,))

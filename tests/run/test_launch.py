@@ -15,7 +15,8 @@ import time
 
 import pytest
 import torch
-from run_workers import WORLD2, make
+from helpers import assert_same_tree
+from run_workers import BASE, RESTARTED, TOL, make
 
 from lsdl_lab.checkpoint import load
 from lsdl_lab.distributed import free_port
@@ -28,14 +29,14 @@ from lsdl_lab.run import (
     run_rank,
     spawn_run,
     torchrun_command,
+    train,
 )
 
 LIMIT_S = 240  # no launch may hang a test run
 
 
-def _equal_weights(a, b) -> bool:
-    a, b = load(a / "checkpoint.pt")["model"], load(b / "checkpoint.pt")["model"]
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+def _weights(path) -> dict:
+    return load(path / "checkpoint.pt")["model"]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def two_nodes(tmp_path_factory):
     """Two `torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d` launches on this
     machine, started now and collected by the test that needs them."""
     out = tmp_path_factory.mktemp("two_nodes")
-    config = make(WORLD2["ddp_restart_reference"], out_dir=str(out / "run"))
+    config = make(RESTARTED, out_dir=str(out / "run"))
     path = out / "run.yaml"
     path.write_text(config.to_yaml())
     command = torchrun_command(
@@ -72,7 +73,7 @@ def test_a_killed_worker_restarts_from_the_checkpoint_with_the_same_weights(
     two_nodes, tmp_path, capsys
 ):
     config = make(
-        WORLD2["ddp_restart_reference"],
+        RESTARTED,
         checkpoint_every=2,
         kill_at_step=3,
         kill_rank=1,
@@ -96,7 +97,7 @@ def test_a_killed_worker_restarts_from_the_checkpoint_with_the_same_weights(
     assert any("world size 2, ddp" in text for text in outputs)
     uninterrupted = read_metrics(run / "metrics.jsonl")
     assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]
-    assert _equal_weights(tmp_path / "killed", run)
+    assert_same_tree(_weights(tmp_path / "killed"), _weights(run))  # bit for bit
 
 
 @pytest.fixture
@@ -117,7 +118,7 @@ def fake_python(tmp_path, monkeypatch):
 
 
 def test_launch_reports_a_failed_run_with_its_output(fake_python, tmp_path, capsys):
-    config = make(WORLD2["ddp"], out_dir=str(tmp_path / "run"))
+    config = make(BASE, parallel="ddp", out_dir=str(tmp_path / "run"))
     with pytest.raises(LaunchError) as error:
         launch(config, nproc=2, max_restarts=1, timeout=LIMIT_S)
     assert error.value.returncode == 1
@@ -134,7 +135,7 @@ def test_launch_reports_a_failed_run_with_its_output(fake_python, tmp_path, caps
 
 def test_launch_stops_a_run_past_its_timeout(fake_python, tmp_path, monkeypatch):
     monkeypatch.setenv("LSDL_FAKE_SLEEP", "60")
-    config = make(WORLD2["ddp"], out_dir=str(tmp_path / "run"))
+    config = make(BASE, parallel="ddp", out_dir=str(tmp_path / "run"))
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"stopped after 1 s") as error:
         launch(config, nproc=2, timeout=1, echo=False)
@@ -152,17 +153,22 @@ def test_the_command_line_exits_1_naming_rank_and_step(tmp_path, capsys):
     assert load(tmp_path / "cli" / "checkpoint.pt")["step"] == 3
 
 
-def test_spawn_run_is_the_runs_world_of_two_in_spawned_processes(world2, tmp_path):
-    """spawn_run's world computes what the session's spawned world computed for the same
-    config (the same train, the same batches): rank 0's records, the same weights."""
-    root, results = world2
-    records = spawn_run(make(WORLD2["ddp"], out_dir=str(tmp_path / "ddp")), 2, timeout=LIMIT_S)
+def test_spawn_run_is_the_runs_world_of_two_in_spawned_processes(tmp_path):
+    """spawn_run's world of 2 is the run's data-parallel world: rank 0's records, at world
+    size 2, and the trajectory of one process on the same global batch (to the last bits of
+    the two ranks' sums, run_workers.TOL)."""
+    ddp = make(BASE, parallel="ddp", out_dir=str(tmp_path / "ddp"))
+    records = spawn_run(ddp, 2, timeout=LIMIT_S)
+    alone = train(ddp.replace(out_dir=str(tmp_path / "alone")))
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert all(r["world_size"] == 2 for r in records)
-    assert [r["loss"] for r in records] == [r["loss"] for r in results[0]["ddp"]]
-    assert _equal_weights(tmp_path / "ddp", root / "ddp")
+    assert all(r["world_size"] == 2 for r in records) and alone[0]["world_size"] == 1
+    losses = [r["loss"] for r in records]
+    assert losses == pytest.approx([r["loss"] for r in alone], rel=0, abs=TOL)
+    assert losses[-1] < losses[0]  # it trained
+    close = {torch.float64: dict(rtol=0.0, atol=TOL)}
+    assert_same_tree(_weights(tmp_path / "ddp"), _weights(tmp_path / "alone"), tolerance=close)
     with pytest.raises(TypeError, match="Invalid config"):
-        spawn_run(dict(WORLD2["ddp"]), 2)
+        spawn_run(dict(BASE), 2)
     with pytest.raises(ValueError, match="Invalid nproc"):
-        spawn_run(make(WORLD2["ddp"]), 0)
+        spawn_run(ddp, 0)
     assert run_rank.__module__ == "lsdl_lab.run.launch"  # spawn finds the worker by name
