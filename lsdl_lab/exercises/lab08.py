@@ -1,5 +1,6 @@
 """Checkers of Lab 8, memory: a dynamic loss scaler's update, Adafactor's factored second
-moment, and the slice of each parameter that a rank owns under ZeRO stage 1.
+moment and how far it is from Adam's, and the slice of each parameter that a rank owns
+under ZeRO stage 1.
 
 The references drive the library: :class:`lsdl_lab.memory.LossScaler` through its public
 methods, :meth:`lsdl_lab.optim.Adafactor.factored_second_moment`, and the flat, padded
@@ -63,6 +64,23 @@ def factored_second_moment(
     state["row_var"], state["col_var"] = row.clone(), col.clone()
     v_hat = opt.factored_second_moment([w], [grad], [1.0 - beta2], [0.0])[0]
     return state["row_var"], state["col_var"], v_hat
+
+
+def second_moment_gap(grads: list[torch.Tensor], beta2: float) -> float:
+    r"""How far Adafactor's factored estimate is from Adam's second moment after the
+    gradients ``grads`` (:math:`G_1, \dots, G_T`, each :math:`n \times m`), from zero
+    statistics: :math:`\max|\hat V_T - V_T| / \max V_T`, with :math:`\hat V_T` from
+    :func:`factored_second_moment` and :math:`V_t = \beta_2 V_{t-1} + (1 - \beta_2)\,G_t^2`,
+    the same average of the :math:`G_t^2` whose row and column means are :math:`R_t` and
+    :math:`C_t`. Zero (to rounding) exactly when :math:`V_T` has rank one (Chapter 8)."""
+    n, m = grads[0].shape
+    row = grads[0].new_zeros(n, 1)
+    col = grads[0].new_zeros(1, m)
+    v = torch.zeros_like(grads[0])
+    for g in grads:
+        row, col, v_hat = factored_second_moment(row, col, g, beta2)
+        v = beta2 * v + (1 - beta2) * g**2
+    return ((v_hat - v).abs().max() / v.max()).item()
 
 
 def zero1_partition(sizes: list[int], world_size: int, rank: int) -> list[tuple[int, int]]:
@@ -137,6 +155,53 @@ def check_factored_second_moment(student_fn) -> None:
                 hints.append("divide R C by the mean of R: otherwise V̂ is off by that factor")
         raise with_hints(failure, hints) from None
     print("✔ factored_second_moment: R, C and V̂ equal lsdl_lab.optim.Adafactor's")
+
+
+def _number(answer) -> float | None:
+    """A student's answer as a float, or None when it is not one number."""
+    try:
+        return float(answer)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _signed_root(square: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A gradient whose square is ``square``, with random signs (only G² matters)."""
+    return square.sqrt() * (torch.randint(0, 2, square.shape, generator=g) * 2 - 1)
+
+
+@exercise("lab08.second_moment_gap")
+def check_second_moment_gap(student_fn) -> None:
+    g = torch.Generator().manual_seed(8)
+
+    def factor(*shape):  # positive, spread over two decades
+        return 10 ** (2 * torch.rand(*shape, generator=g, dtype=torch.float64) - 1)
+
+    a, b = factor(4, 1), factor(1, 3)
+    cases = [
+        ([_signed_root(a @ b, g) for _ in range(6)], 0.9),  # one outer product: exact
+        ([_signed_root(a @ factor(1, 3), g) for _ in range(5)], 0.8),  # a shared factor: exact
+        ([_signed_root(factor(4, 1) @ factor(1, 3), g) for _ in range(5)], 0.9),  # not exact
+        ([torch.randn(5, 2, generator=g, dtype=torch.float64) for _ in range(3)], 0.5),
+        ([torch.randn(3, 6, generator=g, dtype=torch.float64)], 0.0),
+    ]
+    try:
+        check_function(student_fn, second_moment_gap, cases, name="second_moment_gap")
+    except CheckFailed as failure:
+        hints = []
+        grads, beta2 = cases[0]  # V has rank one: the right gap is 0
+        got = _number(answer_or_none(student_fn, [t.clone() for t in grads], beta2))
+        if got is not None and abs(got - beta2) < 1e-6:
+            hints.append("average G² into V with weight 1 - beta2, as R and C are averaged")
+        elif got is not None and abs(got - beta2 ** len(grads)) < 1e-6:
+            hints.append("compare V̂ with Adam's running average V, not with the last G²")
+        grads, beta2 = cases[3]
+        once = _number(answer_or_none(student_fn, [t.clone() for t in grads], beta2))
+        tenfold = _number(answer_or_none(student_fn, [10 * t for t in grads], beta2))
+        if once and tenfold is not None and abs(tenfold / once - 100) < 1e-3:
+            hints.append("divide by the largest entry of V: the gap is relative")
+        raise with_hints(failure, hints) from None
+    print("✔ second_moment_gap: every case equals the gap of lsdl_lab.optim.Adafactor's estimate")
 
 
 @exercise("lab08.zero1_partition")

@@ -39,18 +39,33 @@ optimizer steps a float32 master copy of the rank's shard and the result is roun
 into the 16-bit shard. With Adam the rank holds 2 + 2 + K bytes per parameter, K = 12
 (master weight and two moments), partitioned by stage as in
 :func:`~lsdl_lab.memory.zero_bytes`. The float32 gradient of the shard (4 Psi/N bytes)
-lives only from the reduce-scatter to the end of ``step``; DeepSpeed's estimator, which
-keeps it, counts 18 bytes instead of 16. This is the arithmetic of FSDP2 with
-``MixedPrecisionPolicy(param_dtype=reduce_dtype=torch.bfloat16)``, and the tests find the
-two runs equal bit for bit.
+lives only from the reduce-scatter to the end of ``step``. DeepSpeed's estimators count
+it: 2 Psi + 18 Psi/N at stage 2 (this count plus 4 Psi/N), and 18 Psi/N at stage 3, where
+they count it instead of a 16-bit gradient shard (2 + 4 + 12 bytes per parameter).
+
+Against FSDP2 (``fully_shard``, per-parameter DTensor shards; PyTorch's documentation of
+``torch.distributed.fsdp.fully_shard``, Liang et al. 2025) with
+``MixedPrecisionPolicy(param_dtype=reduce_dtype=torch.bfloat16)``, on a float32 model
+whose values are the bfloat16 model's: with *one backward pass per step*, the two do the
+same arithmetic (bfloat16 forward, backward and reduce-scatter; the averaged bfloat16
+shard gradient cast to float32; Adam on the float32 master shard; the result rounded to
+bfloat16), and the tests find their trajectories equal bit for bit. With *several
+backward passes per step* (micro-batches, stages 2 and 3) they are not: here each
+reduce-scattered shard gradient is added to the shard's bfloat16 gradient, whereas FSDP2
+casts each to float32 before adding it to its float32 shard gradient. The gradient this
+implementation steps with is then FSDP2's rounded to bfloat16 (the tests check that
+equality on the first step, and that the trajectories part afterwards).
 
 Offload (ZeRO-Offload, Ren et al. 2021): ``offload=True`` keeps the master copy of the
 shard and so the whole optimizer state in CPU memory; each unit's reduce-scattered
 gradient shard is copied to the CPU, the optimizer steps there, and the updated shard is
 copied back to the parameters' device. Accelerator memory then holds no optimizer state,
 at the price of two copies of Psi/N elements per step over the host link and an update
-at CPU speed. (On a CPU-only machine the copies stay in memory and the step is the same
-computation: the tests check the arithmetic against FSDP2's
+at CPU speed. ZeRO-Offload goes further: it keeps the 16-bit gradients in host memory too,
+streamed there during the backward pass, so that the device holds only the 16-bit
+weights (2 Psi bytes); here the 16-bit gradient shard stays on the device until ``step``.
+(On a CPU-only machine the copies stay in memory and the step is the same computation:
+the tests check the arithmetic against FSDP2's
 ``CPUOffloadPolicy(pin_memory=False)``; the time it costs needs an accelerator.)
 """
 

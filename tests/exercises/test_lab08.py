@@ -53,6 +53,27 @@ def test_factored_second_moment_reference_is_adafactors_first_step():
     assert torch.allclose(v, a @ b)
 
 
+def diag(*values):
+    return torch.diag(torch.tensor(values, dtype=torch.float64))
+
+
+def test_second_moment_gap_reference_is_zero_exactly_when_v_has_rank_one():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.rand(4, 1, dtype=torch.float64) + 0.5, torch.rand(1, 3, dtype=torch.float64) + 0.5
+    signs = [torch.randint(0, 2, (4, 3), generator=g) * 2 - 1 for _ in range(5)]
+    # the same outer product every step, or one shared factor: V has rank one
+    assert lab08.second_moment_gap([s * (a @ b).sqrt() for s in signs], 0.9) < 1e-14
+    shared = [s * (a @ torch.rand(1, 3, dtype=torch.float64)).sqrt() for s in signs]
+    assert lab08.second_moment_gap(shared, 0.7) < 1e-14
+    # Chapter 8's exercise, by hand: G1² = e1e1ᵀ then G2² = e2e2ᵀ with beta2 = 1/2 give
+    # V = diag(1/4, 1/2), R = C = (1/8, 1/4), V̂ = R Cᵀ / (3/16); the largest gap is 1/6,
+    # a third of V's largest entry.
+    gap = lab08.second_moment_gap([diag(1.0, 0.0), diag(0.0, 1.0)], 0.5)
+    assert gap == pytest.approx(1 / 3, rel=1e-12)
+    # beta2 = 0: only the last gradient counts, and a rank-one G² is then exact
+    assert lab08.second_moment_gap([diag(1.0, 0.0), (a[:2] @ b[:, :2]).sqrt()], 0.0) < 1e-14
+
+
 def test_zero1_partition_covers_each_unit_once():
     sizes = [3, 64, 5, 1]
     for world in (1, 2, 3, 4, 8):
@@ -89,6 +110,16 @@ def right_factored_second_moment(row, col, grad, beta2):
     return row, col, row @ col / row.mean()
 
 
+def right_second_moment_gap(grads, beta2):
+    n, m = grads[0].shape
+    row, col = torch.zeros(n, 1, dtype=grads[0].dtype), torch.zeros(1, m, dtype=grads[0].dtype)
+    v = torch.zeros_like(grads[0])
+    for g in grads:
+        row, col, v_hat = right_factored_second_moment(row, col, g, beta2)
+        v = beta2 * v + (1 - beta2) * g**2
+    return ((v_hat - v).abs().max() / v.max()).item()
+
+
 def right_zero1_partition(sizes, world_size, rank):
     padded = math.ceil(sum(sizes) / world_size) * world_size
     lo, hi = rank * padded // world_size, (rank + 1) * padded // world_size
@@ -103,15 +134,17 @@ def right_zero1_partition(sizes, world_size, rank):
 def test_right_answers_pass(capsys):
     check.checker("lab08.scaler_update")(right_scaler_update)
     check.checker("lab08.factored_second_moment")(right_factored_second_moment)
+    check.checker("lab08.second_moment_gap")(right_second_moment_gap)
     check.checker("lab08.zero1_partition")(right_zero1_partition)
     out = capsys.readouterr().out
     assert "✔ scaler_update" in out and "✔ factored_second_moment" in out
-    assert "✔ zero1_partition" in out
+    assert "✔ second_moment_gap" in out and "✔ zero1_partition" in out
 
 
 def test_the_references_pass_their_own_checkers():
     check.checker("lab08.scaler_update")(lab08.scaler_update)
     check.checker("lab08.factored_second_moment")(lab08.factored_second_moment)
+    check.checker("lab08.second_moment_gap")(lab08.second_moment_gap)
     check.checker("lab08.zero1_partition")(lab08.zero1_partition)
 
 
@@ -143,6 +176,39 @@ def no_normalization(row, col, grad, beta2):
     return row, col, row @ col
 
 
+def unweighted_v(grads, beta2):
+    n, m = grads[0].shape
+    row, col = torch.zeros(n, 1, dtype=grads[0].dtype), torch.zeros(1, m, dtype=grads[0].dtype)
+    v = torch.zeros_like(grads[0])
+    for g in grads:
+        row, col, v_hat = right_factored_second_moment(row, col, g, beta2)
+        v = beta2 * v + g**2  # a sum, not the average R and C are the means of
+    return ((v_hat - v).abs().max() / v.max()).item()
+
+
+def against_last_square(grads, beta2):
+    n, m = grads[0].shape
+    row, col = torch.zeros(n, 1, dtype=grads[0].dtype), torch.zeros(1, m, dtype=grads[0].dtype)
+    for g in grads:
+        row, col, v_hat = right_factored_second_moment(row, col, g, beta2)
+    v = grads[-1] ** 2
+    return ((v_hat - v).abs().max() / v.max()).item()
+
+
+def absolute_gap(grads, beta2):
+    n, m = grads[0].shape
+    row, col = torch.zeros(n, 1, dtype=grads[0].dtype), torch.zeros(1, m, dtype=grads[0].dtype)
+    v = torch.zeros_like(grads[0])
+    for g in grads:
+        row, col, v_hat = right_factored_second_moment(row, col, g, beta2)
+        v = beta2 * v + (1 - beta2) * g**2
+    return (v_hat - v).abs().max().item()
+
+
+def always_exact(grads, beta2):
+    return 0.0
+
+
 def unpadded(sizes, world_size, rank):
     # slices of sum(sizes) // world_size: the remainder is lost
     size = sum(sizes) // world_size
@@ -162,6 +228,10 @@ def one_range(sizes, world_size, rank):
         ("lab08.scaler_update", keeps_count, "restarts the count"),
         ("lab08.factored_second_moment", sums_not_means, "row \\*means\\*"),
         ("lab08.factored_second_moment", no_normalization, "mean of R"),
+        ("lab08.second_moment_gap", unweighted_v, "weight 1 - beta2"),
+        ("lab08.second_moment_gap", against_last_square, "not with the last G²"),
+        ("lab08.second_moment_gap", absolute_gap, "the gap is relative"),
+        ("lab08.second_moment_gap", always_exact, "second_moment_gap"),
         ("lab08.zero1_partition", unpadded, "pad the unit"),
         ("lab08.zero1_partition", one_range, "one range per parameter"),
     ],
@@ -175,7 +245,13 @@ def test_wrong_answers_fail_with_the_hint(name, fn, hint):
 
 
 @pytest.mark.parametrize(
-    "name", ["lab08.scaler_update", "lab08.factored_second_moment", "lab08.zero1_partition"]
+    "name",
+    [
+        "lab08.scaler_update",
+        "lab08.factored_second_moment",
+        "lab08.second_moment_gap",
+        "lab08.zero1_partition",
+    ],
 )
 def test_the_stub_asks_for_a_solution(name):
     def stub(*args, **kwargs):

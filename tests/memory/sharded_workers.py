@@ -3,7 +3,8 @@ worker by module and name, so they live here, on ``sys.path``, not in the test f
 
 Every run trains the same float64 MLP for ``STEPS`` Adam steps on the same global batch of
 ``GLOBAL_BATCH`` rows, each rank taking its contiguous half, and records the whole
-parameters after each step."""
+parameters after each step. The runs with accumulation cut each rank's half into
+``MICRO_BATCHES`` micro-batches, one backward pass each."""
 
 import contextlib
 
@@ -27,6 +28,7 @@ from lsdl_lab.memory import LossScaler, ZeroOptimizer, measure
 STEPS = 4
 GLOBAL_BATCH = 8
 LR = 0.05
+MICRO_BATCHES = 2
 # Units of 49, 40 and 18 parameters: the first pads to 50 at world 2.
 SIZES = ((6, 7), (7, 5), (5, 3))
 
@@ -139,9 +141,9 @@ def zero_redundancy(rank, world_size):
     return train(model, opt, batches, model.parameters)
 
 
-def fsdp2(rank, world_size, mp_policy=None, offload_policy=None):
-    """FSDP2, each layer sharded (with ``mp_policy``: on a float32 model whose values are
-    the bfloat16 model's, so both runs start from the same master weights)."""
+def fsdp2_model(world_size, mp_policy=None, offload_policy=None) -> nn.Module:
+    """The MLP under FSDP2, each layer sharded (with ``mp_policy``: a float32 model whose
+    values are the bfloat16 model's, so both runs start from the same master weights)."""
     model = make_model() if mp_policy is None else make_model().bfloat16().float()
     mesh = init_device_mesh("cpu", (world_size,))
     policies = {
@@ -152,6 +154,12 @@ def fsdp2(rank, world_size, mp_policy=None, offload_policy=None):
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, **policies)
     fully_shard(model, mesh=mesh, **policies)
+    return model
+
+
+def fsdp2(rank, world_size, mp_policy=None, offload_policy=None):
+    """FSDP2's trajectory on the run of every other worker."""
+    model = fsdp2_model(world_size, mp_policy, offload_policy)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     batches = [local(b, rank, world_size) for b in global_batches()]
     trajectory = train(model, opt, batches, lambda: [p.full_tensor() for p in model.parameters()])
@@ -183,6 +191,69 @@ def mixed(rank, world_size, stage):
         "padded": sum(u.padded for u in opt.units),
         "units": len(opt.units),
     }
+
+
+def accumulate(model, optimizer, rank, world_size, whole_gradient, whole_parameters) -> dict:
+    """Mixed precision with accumulation: each step, ``MICRO_BATCHES`` backward passes on
+    the rank's half (each loss divided by their number, in float32 as under autocast),
+    then one step. The whole gradient just before the first step, and the whole
+    parameters after each step."""
+    gradient, trajectory = None, []
+    for batch in global_batches():
+        x, y = local(batch, rank, world_size)
+        optimizer.zero_grad()
+        for part in range(MICRO_BATCHES):
+            rows = slice(part * len(x) // MICRO_BATCHES, (part + 1) * len(x) // MICRO_BATCHES)
+            out = model(x[rows].bfloat16()).float()
+            (nn.functional.mse_loss(out, y[rows].float()) / MICRO_BATCHES).backward()
+        if gradient is None:
+            gradient = whole_gradient()
+        optimizer.step()
+        trajectory.append(whole_parameters())
+    return {"gradient": gradient, "trajectory": trajectory}
+
+
+def whole_shards(opt, of) -> torch.Tensor:
+    """``of(unit)`` (a float32 shard: the master copy or its gradient) of every unit,
+    all-gathered and laid end to end without padding, in ``model.parameters()`` order."""
+    pieces = []
+    for unit in opt.units:
+        shard = of(unit).detach()
+        whole = shard.new_empty(unit.padded)
+        all_gather_single(whole, shard)
+        pieces.append(whole[: unit.numel])
+    return torch.cat(pieces)
+
+
+def mixed_accumulated(rank, world_size, stage):
+    """:func:`mixed` with ``MICRO_BATCHES`` backward passes per step: the float32 gradient of
+    the master copy before the first step, and the master copy after each step."""
+    model = make_model().bfloat16()
+    opt = ZeroOptimizer(model, torch.optim.Adam, stage=stage, master_dtype=torch.float32, lr=LR)
+    return accumulate(
+        model,
+        opt,
+        rank,
+        world_size,
+        lambda: whole_shards(opt, lambda unit: unit.master.grad),
+        lambda: whole_shards(opt, lambda unit: unit.master),
+    )
+
+
+def fsdp2_accumulated(rank, world_size):
+    """FSDP2 in bfloat16 (:func:`fsdp2`'s policy) with ``MICRO_BATCHES`` backward passes per
+    step: its float32 sharded gradient before the first step, its parameters after each."""
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    model = fsdp2_model(world_size, bf16)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    return accumulate(
+        model,
+        opt,
+        rank,
+        world_size,
+        lambda: flat(p.grad.full_tensor() for p in model.parameters()),
+        lambda: flat(p.full_tensor() for p in model.parameters()),
+    )
 
 
 @contextlib.contextmanager
@@ -241,6 +312,10 @@ def run_all(rank, world_size):
         out[f"mixed{stage}"] = mixed(rank, world_size, stage)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     out["fsdp2_mixed"] = fsdp2(rank, world_size, bf16)
+    # The same with micro-batches: stages 2 and 3 (stage 1 takes one backward per step).
+    for stage in (2, 3):
+        out[f"accumulated{stage}"] = mixed_accumulated(rank, world_size, stage)
+    out["fsdp2_accumulated"] = fsdp2_accumulated(rank, world_size)
     # Offload: the master copy and Adam's state in CPU memory.
     out["offload1"] = zero(rank, world_size, 1, optim.Adam, offload=True)
     out["offload3_torch"] = zero(rank, world_size, 3, torch.optim.Adam, offload=True)
