@@ -110,6 +110,8 @@ def zero_worker(rank: int, world_size: int, gpt_args: tuple, batches: list, stag
                 for u in opt.units
             ],
             "losses": losses,
+            # the whole parameters after the last step (a collective at stage 3)
+            "params": torch.cat([p.reshape(-1) for p in opt.full_parameters()]),
         }
     return out
 
@@ -118,7 +120,8 @@ def zero_per_rank(
     gpt_args: tuple, batches: list, world_size: int = 2, stages: Sequence[int] = (1, 2, 3)
 ) -> list[dict]:
     """Run :func:`zero_worker` in one world of ``world_size`` processes (gloo on CPU);
-    a list by rank of ``{stage: {"held", "numel", "padded", "units", "losses"}}``."""
+    a list by rank of ``{stage: {"held", "numel", "padded", "units", "losses", "params"}}``
+    (``params``: the whole parameters after the last step, flat)."""
     from ..distributed import spawn  # the world machinery only when a world is started
 
     world_size = check_int("world_size", world_size, 1)

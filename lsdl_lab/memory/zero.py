@@ -16,13 +16,15 @@ stage   partitioned                  bytes per rank
 ======  ===========================  ======================
 
 (Rajbhandari et al. 2020, Figure 1.) Other counts in the literature differ in their
-assumptions, not their arithmetic: DeepSpeed's estimators keep a float32 copy of the
-gradient partition too (``estimate_zero3_model_states_mem_needs``: 18Psi/N = 2 for the
-16-bit weights + 16 for master weights, moments and float32 gradients; stage 2:
-4Psi + 16Psi/N). "How to Scale Your Model" is reported to count 10 bytes, which would be
-16-bit weights and float32 moments without a master copy or stored gradients (that
-breakdown is our reading, not checked against its text). This module states its
-assumption in its arguments: ``k`` and the bytes of a 16-bit weight and gradient.
+assumptions, not their arithmetic: DeepSpeed's estimators keep a float32 gradient
+partition in place of the 16-bit one (``estimate_zero3_model_states_mem_needs``: 18Psi/N =
+(2 + 4 + 12)Psi/N, the 16-bit weights, the float32 gradients, and master weights with
+moments; stages 1 and 2: 2Psi + 18Psi/N since DeepSpeed's 2024 estimator, 4Psi + 16Psi/N
+before it and on its documentation page; Chapter 8 writes both). "How to Scale Your Model"
+is reported to count 10 bytes, which would be 16-bit weights and float32 moments without a
+master copy or stored gradients (that breakdown is our reading, not checked against its
+text). This module states its assumption in its arguments: ``k`` and the bytes of a 16-bit
+weight and gradient.
 """
 
 from __future__ import annotations
