@@ -225,41 +225,48 @@ def first_error(nb) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("lab", LABS, ids=[lab.stem for lab in LABS])
-def test_lab_runs_at_the_gpu_profile(lab, gpu_data, capsys):
-    root, _ = gpu_data
-    nb = nbformat.read(lab, as_version=4)
-    # After the install cell (the first code cell), before the lab's imports.
-    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
-    nb.cells.insert(first + 1, nbformat.v4.new_code_cell(SETUP))
+def dry_run(nb, source: Path, root: Path, setup_at: int, capsys) -> str:
+    """Execute ``nb`` (of the file ``source``) at ``gpu`` with the caps, the dry run's
+    setup inserted at cell ``setup_at`` and the report of false assertions appended: no
+    cell may fail or run past its time; the false assertions are printed. Returns what
+    the notebook printed."""
+    nb.cells.insert(setup_at, nbformat.v4.new_code_cell(SETUP))
     nb.cells.append(nbformat.v4.new_code_cell(REPORT))
     client = NotebookClient(
         nb,
         timeout=CELL_TIMEOUT,
         kernel_name="python3",
-        resources={"metadata": {"path": str(lab.parent)}},
+        resources={"metadata": {"path": str(source.parent)}},
     )
     start = time.perf_counter()
     try:
         client.execute(env=dry_run_env(root))
     except CellTimeoutError as err:
-        pytest.fail(f"{lab.name} at gpu: a cell ran past {CELL_TIMEOUT} s ({err})")
+        pytest.fail(f"{source.name} at gpu: a cell ran past {CELL_TIMEOUT} s ({err})")
     except CellExecutionError:
         pass
     seconds = time.perf_counter() - start
     error = first_error(nb)
-    assert error is None, f"{lab.name} at gpu (dry run): {error}"
+    assert error is None, f"{source.name} at gpu (dry run): {error}"
     # A stream may arrive in pieces: join them before reading the line.
     printed_last = "".join(output.get("text", "") for output in nb.cells[-1].outputs)
     report = [line for line in printed_last.splitlines() if line.startswith("DRY-RUN-ASSERTS ")]
     assert len(report) == 1, nb.cells[-1].outputs
     false_asserts = json.loads(report[0].removeprefix("DRY-RUN-ASSERTS "))
-    printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     with capsys.disabled():
         print(
-            f"\n{lab.stem}: dry run at gpu in {seconds:.1f} s; {len(false_asserts)} effect "
+            f"\n{source.stem}: dry run at gpu in {seconds:.1f} s; {len(false_asserts)} effect "
             f"assertion(s) false under the caps: {false_asserts}"
         )
+    return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+
+
+@pytest.mark.parametrize("lab", LABS, ids=[lab.stem for lab in LABS])
+def test_lab_runs_at_the_gpu_profile(lab, gpu_data, capsys):
+    nb = nbformat.read(lab, as_version=4)
+    # After the install cell (the first code cell), before the lab's imports.
+    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    printed = dry_run(nb, lab, gpu_data[0], first + 1, capsys)
     assert f"lsdl_lab: profile 'gpu' on {DEVICE}" in printed
 
 
@@ -301,33 +308,7 @@ def test_chapters_are_read_as_myst_nb_reads_them():
 def test_chapter_runs_at_the_gpu_profile(chapter, gpu_data, capsys):
     """Each chapter's code at ``gpu`` on CUDA, with the caps the library's loops read: no
     cell may fail (its assertions record instead of raising, as in the labs)."""
-    root, _ = gpu_data
-    nb = chapter_notebook(chapter)
-    nb.cells.insert(0, nbformat.v4.new_code_cell(SETUP))
-    nb.cells.append(nbformat.v4.new_code_cell(REPORT))
-    client = NotebookClient(
-        nb,
-        timeout=CELL_TIMEOUT,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(chapter.parent)}},
-    )
-    start = time.perf_counter()
-    try:
-        client.execute(env=dry_run_env(root))
-    except CellTimeoutError as err:
-        pytest.fail(f"{chapter.name} at gpu: a cell ran past {CELL_TIMEOUT} s ({err})")
-    except CellExecutionError:
-        pass
-    error = first_error(nb)
-    assert error is None, f"{chapter.name} at gpu (dry run): {error}"
-    printed_last = "".join(output.get("text", "") for output in nb.cells[-1].outputs)
-    report = [line for line in printed_last.splitlines() if line.startswith("DRY-RUN-ASSERTS ")]
-    assert len(report) == 1, nb.cells[-1].outputs
-    with capsys.disabled():
-        print(
-            f"\n{chapter.stem}: dry run at gpu in {time.perf_counter() - start:.1f} s; false "
-            f"assertions under the caps: {json.loads(report[0].removeprefix('DRY-RUN-ASSERTS '))}"
-        )
+    dry_run(chapter_notebook(chapter), chapter, gpu_data[0], 0, capsys)
 
 
 # --- the machinery, checked on its own --------------------------------------------------------
