@@ -56,7 +56,6 @@ from ._util import (
     weighted_batches,
 )
 from .plot import PALETTE
-from .profiles import capped_steps
 
 __all__ = [
     "Interpolation",
@@ -237,7 +236,6 @@ def epsilon_sharpness(
     if not params:
         raise ValueError("Invalid model: no parameter requires a gradient")
 
-    iterations = capped_steps(steps)  # the identity, except in a dry run (lsdl_lab.profiles)
     with eval_mode(model), _restored(params) as x:
         with torch.no_grad():
             loss = _mean_loss(model, loss_fn, batches, weights)
@@ -255,9 +253,9 @@ def epsilon_sharpness(
                 return _loss_and_grad(model, loss_fn, params, batches, weights)
 
         if method == "sign_ascent":
-            max_loss = _sign_ascent(f_and_grad, z, r, iterations, step_size)
+            max_loss = _sign_ascent(f_and_grad, z, r, steps, step_size)
         else:
-            max_loss = _lbfgsb(f_and_grad, z, r, iterations)
+            max_loss = _lbfgsb(f_and_grad, z, r, steps)
     max_loss = max(max_loss, loss)  # z = 0 is in the box
     return Sharpness(100 * (max_loss - loss) / (1 + loss), loss, max_loss, epsilon, steps)
 

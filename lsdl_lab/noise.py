@@ -29,7 +29,6 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from ._util import LossFn, check_bool, check_int, check_positive, check_real, eval_mode, flatten
-from .profiles import capped_steps
 
 __all__ = [
     "GradientNoise",
@@ -160,8 +159,6 @@ def minibatch_gradient_variance(
     n = x.shape[0]
     batch_sizes = [check_int(f"batch_sizes[{i}]", b, 1, n) for i, b in enumerate(batch_sizes)]
     samples = check_int("samples", samples, 2)  # two at least, for the mean's standard error
-    # All of them, except in a dry run (lsdl_lab.profiles), which draws min(samples, 4).
-    samples = max(min(samples, 4), capped_steps(samples))
     check_int("seed", seed, 0)
     check_bool("replacement", replacement)
     noise = noise or gradient_noise(model, loss_fn, x, y)

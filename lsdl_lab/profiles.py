@@ -13,13 +13,20 @@ profile with :meth:`Profile.pick`::
 
 A *dry run* proves a profile on a machine that could not afford it: the project's test
 (``tests/test_gpu_profile.py``) runs every lab at ``gpu`` on a CPU with two caps set in
-the environment. ``LSDL_MAX_STEPS`` caps the number of iterations of every loop (the
-steps of :func:`lsdl_lab.train.fit` and :func:`lsdl_lab.book.races.race`, the labs' own
-loops, through :func:`capped_steps`); ``LSDL_MAX_EXAMPLES`` caps the examples of every
-batch and measured subset (through :func:`capped_examples`). The models, the sizes of an example
-(32x32 colour images, contexts of 256 characters) and the code paths stay those of the
-profile; only how long each loop runs and how many examples each batch holds shrink.
-Neither variable is set at any real profile, where both functions return their argument.
+the environment. ``LSDL_MAX_STEPS`` caps the number of iterations of every loop;
+``LSDL_MAX_EXAMPLES`` caps the examples of every batch and measured subset. The models,
+the sizes of an example (32x32 colour images, contexts of 256 characters) and the code
+paths stay those of the profile; only how long each loop runs and how many examples each
+batch holds shrink. Neither variable is set at any real profile, where both functions
+return their argument.
+
+The library applies the caps in two places: the step counter of
+:func:`lsdl_lab.train.fit`, the one training loop (the book's races and workers train
+through it), and the batches of :mod:`lsdl_lab.data` (each batch and evaluation set at
+most ``LSDL_MAX_EXAMPLES`` examples). Every other loop of the library takes its length
+from an argument (a probe's ``steps``, a measurement's ``samples``), and the code that
+picks that length, a lab, a chapter or the book's wing, caps it with :func:`capped_steps`
+and :func:`capped_examples`.
 """
 
 from __future__ import annotations
@@ -180,9 +187,11 @@ def dry_run() -> dict[str, int] | None:
 def capped_steps(n: T) -> T:
     """``n`` iterations of a loop, or at most ``$LSDL_MAX_STEPS`` of them in a dry run.
 
-    The identity at every real profile. A loop whose length a lab or the library picks
-    goes through it (``for t in range(capped_steps(steps))``) so that the dry run of
-    ``tests/test_gpu_profile.py`` executes every loop of the ``gpu`` profile briefly."""
+    The identity at every real profile. A loop whose length a lab, a chapter or the
+    book's wing picks goes through it (``for t in range(capped_steps(steps))``, or the
+    length handed to a library function) so that the dry run of
+    ``tests/test_gpu_profile.py`` executes every loop of the ``gpu`` profile briefly;
+    :func:`lsdl_lab.train.fit` caps its own steps."""
     cap = _cap(MAX_STEPS_VAR)
     n = check_int("n", n, 0)
     return n if cap is None else min(n, cap)

@@ -91,6 +91,23 @@ def test_without_replacement_the_whole_data_set_has_no_noise(device):
     assert res[0].predicted == 0.0 and res[0].measured < 1e-10
 
 
+def test_a_dry_run_draws_every_sample_asked_for(monkeypatch):
+    # The library caps a dry run in fit and the batches only (lsdl_lab.profiles): how many
+    # mini-batches a measurement draws is its caller's to cap.
+    model, x, y = classification_problem(n=32)
+    draws = []
+
+    def counted(out, target):
+        draws.append(len(target))
+        return F.cross_entropy(out, target)
+
+    monkeypatch.setenv("LSDL_MAX_STEPS", "2")
+    monkeypatch.setenv("LSDL_MAX_EXAMPLES", "4")
+    gn = noise.gradient_noise(model, F.cross_entropy, x, y)
+    noise.minibatch_gradient_variance(model, counted, x, y, [2, 8], samples=7, noise=gn)
+    assert draws == [2] * 7 + [8] * 7
+
+
 def test_measurement_uses_eval_mode_and_restores_it(device):
     torch.manual_seed(0)
     model = models.ResNet(8, 4, 3, 1).train().to(device)

@@ -108,6 +108,9 @@ def _tiny_classifier():
 
 
 def test_loops_and_batches_honour_the_caps(caps):
+    # The library caps in two places: fit's step counter (every training, the wing's races
+    # included, runs through it) and the batches of lsdl_lab.data (each batch and each
+    # evaluation set at most LSDL_MAX_EXAMPLES examples).
     from lsdl_lab import data, train
     from lsdl_lab.book import races
 
@@ -115,6 +118,8 @@ def test_loops_and_batches_honour_the_caps(caps):
     batches = data.ImageBatches(x, y, 64)
     assert batches.steps_per_epoch == 3  # the data set and its epochs keep their sizes
     assert batches(0)[0].shape == (16, 4)
+    growing = data.GrowingBatches(x, y, lambda epoch: 32 * (epoch + 1))
+    assert growing(0)[0].shape == (16, 4) and growing.epoch_start(1) == 7  # 200 / 32
     model = _tiny_classifier()
     history = train.fit(model, torch.optim.SGD(model.parameters(), 0.1), batches, epochs=30)
     assert [r["step"] for r in history.train] == [1, 2]
@@ -122,13 +127,40 @@ def test_loops_and_batches_honour_the_caps(caps):
         "SGD", model, torch.optim.SGD(model.parameters(), 0.1), batches, 500, F.cross_entropy
     )
     assert run.steps == 2
-    evaluation = data.eval_batches(x, y, 50)
-    assert [len(b) for b, _ in evaluation] == [16, 16]
+    # an evaluation set: its first 16 examples, in batches of the size asked for
+    assert [len(b) for b, _ in data.eval_batches(x, y, 50)] == [16]
+    assert [len(b) for b, _ in data.eval_batches(x, y, 5)] == [5, 5, 5, 1]
+    assert [len(b) for b, _ in data.eval_batches(x, y, 5, max_batches=2)] == [5, 5]
     tokens = torch.arange(1000) % 7
     text = data.TextBatches(tokens, 8, 64)
     assert text(0)[0].shape == (2, 8)  # 16 examples are 16 tokens: two windows of 8
-    assert [b.shape for b, _ in data.text_eval_batches(tokens, 8, 64)] == [(2, 8), (2, 8)]
+    assert [b.shape for b, _ in data.text_eval_batches(tokens, 8, 64)] == [(2, 8)]
+    assert [b.shape for b, _ in data.text_eval_batches(tokens, 4, 3)] == [(3, 4), (1, 4)]
     assert data.TextBatches(tokens, 100, 64)(0)[0].shape == (1, 100)  # one window at least
+    assert [b.shape for b, _ in data.text_eval_batches(tokens, 100, 64)] == [(1, 100)]
+
+
+def test_the_library_caps_in_fit_and_in_the_batches_only():
+    # Every other loop of the library takes its length from its caller (a lab, a chapter,
+    # the book's wing), which caps it; run/loop.py reads fit's cap to say where it stopped.
+    import ast
+    from pathlib import Path
+
+    import lsdl_lab
+
+    root = Path(lsdl_lab.__file__).parent
+    callers = set()
+    for path in root.rglob("*.py"):
+        where = path.relative_to(root).as_posix()
+        if where.startswith("book/") or where == "profiles.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+                if name in ("capped_steps", "capped_examples"):
+                    callers.add(where)
+    assert callers == {"train.py", "data/batches.py", "run/loop.py"}
 
 
 def test_loops_and_batches_unchanged_without_caps(no_caps):

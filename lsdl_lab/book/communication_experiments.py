@@ -19,18 +19,20 @@ lists, dicts), the same on every rank unless it says otherwise::
 * :func:`model_parallel_run`: a tensor-parallel transformer block against the dense one,
   and a pipeline's measured bubble against (p - 1)/(m + p - 1).
 
+Every training runs :func:`lsdl_lab.train.fit` (the one loop) with a step function:
+:func:`~lsdl_lab.train.train_step` under DDP, a local-SGD step around the averager. Every
+byte count is that of :class:`lsdl_lab.distributed.CollectiveBytes`, the library's one
+counter: what this rank hands to the collectives, whichever hook calls them.
+
 In a dry run (:mod:`lsdl_lab.profiles`: ``LSDL_MAX_STEPS``, ``LSDL_MAX_EXAMPLES``, which
-every rank reads from the caller's environment, see :func:`~lsdl_lab.distributed.spawn`) each
-loop of training steps and of timed repeats runs at most the capped number of times and
-each batch and evaluation set holds at most the capped number of examples; nothing
-changes outside one.
+every rank reads from the caller's environment, see :func:`~lsdl_lab.distributed.spawn`)
+``fit`` caps each training's steps; the loops of timed repeats and the sizes of batches
+and evaluation sets that these workers pick are capped here; nothing changes outside one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import statistics
 import time
 import warnings
@@ -67,10 +69,11 @@ from ..distributed.cost import (
 )
 from ..distributed.local_sgd import PeriodicAverager, average_parameters, overlap_times
 from ..distributed.param_server import asynchronous_sgd, synchronous_sgd
-from ..memory.measure import measure
+from ..distributed.traffic import CollectiveBytes
 from ..parallel import TensorParallelBlock, bubble_fraction, pipeline_step
 from ..profiles import capped_examples, capped_steps
-from ..train import accuracy
+from ..steps import accumulate
+from ..train import StepResult, accuracy, fit
 
 __all__ = [
     "COMPRESSORS",
@@ -200,34 +203,14 @@ def _compressor(name: str, rank: int):
     }.get(name, (None, None))
 
 
-@contextlib.contextmanager
-def _counting_all_reduce(counter: list[int]):
-    """Count the bytes of the tensors handed to ``dist.all_reduce`` (torch's hooks call it
-    by that name) while the block runs."""
-    original = dist.all_reduce
-
-    @functools.wraps(original)
-    def counted(tensor, *args, **kwargs):
-        counter[0] += tensor.numel() * tensor.element_size()
-        return original(tensor, *args, **kwargs)
-
-    dist.all_reduce = counted
-    try:
-        yield
-    finally:
-        dist.all_reduce = original
-
-
-def _register(ddp: DistributedDataParallel, name: str, rank: int, start_iter: int, counter):
-    """Install the hook ``name`` on ``ddp``; returns a function giving the bytes this rank
-    has handed to collectives so far (our hooks count their own; torch's are counted in
-    ``counter`` by :func:`_counting_all_reduce`)."""
+def _register(ddp: DistributedDataParallel, name: str, rank: int, start_iter: int) -> None:
+    """Install the hook ``name`` on ``ddp``, its first ``start_iter`` steps uncompressed.
+    Every hook, ours and torch's, calls the collectives from Python, where
+    :class:`~lsdl_lab.distributed.CollectiveBytes` counts them."""
     hook, make = _compressor(name, rank)
     if make is not None:
-        state = HookState(make, start_iter=start_iter)
-        ddp.register_comm_hook(state, hook)
-        return lambda: state.bytes_sent
-    if name == "none":
+        ddp.register_comm_hook(HookState(make, start_iter=start_iter), hook)
+    elif name == "none":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif name == "fp16 (torch)":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -241,7 +224,6 @@ def _register(ddp: DistributedDataParallel, name: str, rank: int, start_iter: in
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     else:
         raise ValueError(f"Invalid name: {name!r} (expected one of {COMPRESSORS})")
-    return lambda: counter[0]
 
 
 def _codec_seconds(name: str, rank: int, model: nn.Module, world_size: int) -> float:
@@ -308,11 +290,19 @@ def _ddp(model: nn.Module) -> DistributedDataParallel:
 
 
 def _train(ddp, opt, x, y, steps: range, batch: int, rank: int, world_size: int) -> None:
-    for step in steps:
-        xb, yb = _shard(x, y, step, batch, rank, world_size)
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(xb), yb).backward()
-        opt.step()
+    """The global steps ``steps`` (a range) of DDP training on this rank's shards:
+    :func:`~lsdl_lab.train.fit` with :func:`~lsdl_lab.train.train_step` (cross-entropy, one
+    optimizer step a batch), fit's step ``t`` the global step ``steps.start + t``."""
+    if not steps:
+        return
+    fit(
+        ddp,
+        opt,
+        lambda t: _shard(x, y, steps.start + t, batch, rank, world_size),
+        len(steps),
+        progress=False,
+        grad_norm=False,
+    )
 
 
 # torch's PowerSGD hook all-reduces uncompressed for at least 2 steps of a new DDP model
@@ -332,7 +322,7 @@ def compression_run(
     seed: int = 0,
 ) -> dict[str, dict]:
     """Train ``make_model()`` on the digits under DDP with each compressor's hook, the
-    same initial weights and examples for all: ``steps`` steps of SGD (momentum 0.9) on
+    same initial weights and examples for all: ``steps`` steps of SGD (momentum 0.9, by fit) on
     global batches of ``batch`` examples, the first ``start_iter`` uncompressed (torch's
     PowerSGD needs at least 2; the others follow the same schedule). Those are the same
     for every name, so they run once, and each compressor continues from a copy of the
@@ -340,13 +330,15 @@ def compression_run(
     synchronize buffers: rank 0's model, with its own BatchNorm statistics, is evaluated.
 
     For each name: ``bytes_per_step``, this rank's bytes handed to collectives per
-    compressed step; ``accuracy``, the test accuracy at the end; ``seconds``, the training
-    time after the shared steps; ``codec_s``, the encode + decode time of one step (see
-    :func:`_codec_seconds`)."""
+    compressed step (:class:`~lsdl_lab.distributed.CollectiveBytes`); ``accuracy``, the test
+    accuracy at the end; ``seconds``, the training time after the shared steps; ``codec_s``,
+    the encode + decode time of one step (see :func:`_codec_seconds`)."""
     start_iter = check_int("start_iter", start_iter, FRESH_DDP_STEPS)
     steps = check_int("steps", steps, start_iter + 1)
-    # A dry run (lsdl_lab.profiles) caps the shared steps and the compressed ones, not the
-    # fresh model's uncompressed steps, which torch's PowerSGD needs; the identity outside.
+    # A dry run (lsdl_lab.profiles) caps the shared and the compressed steps here, as fit
+    # does (the count per step needs the number of compressed steps that ran); the fresh
+    # model's uncompressed steps, which torch's PowerSGD needs, only fit caps: a dry run's
+    # cap of at least FRESH_DDP_STEPS keeps them all. The identity outside a dry run.
     shared = range(capped_steps(start_iter - FRESH_DDP_STEPS))
     fresh = range(len(shared), len(shared) + FRESH_DDP_STEPS)
     compressed = range(fresh.stop, fresh.stop + capped_steps(steps - start_iter))
@@ -362,23 +354,39 @@ def compression_run(
         model = make_model()  # a fresh module: the last DDP's hooks stay on the old one
         model.load_state_dict(warm[0])
         ddp = _ddp(model)
-        counter = [0]
-        bytes_sent = _register(ddp, name, rank, FRESH_DDP_STEPS, counter)
+        _register(ddp, name, rank, FRESH_DDP_STEPS)
         opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
         opt.load_state_dict(warm[1])
         start = time.perf_counter()
-        with _counting_all_reduce(counter):
-            _train(ddp, opt, x, y, fresh, batch, rank, world_size)
-            before = bytes_sent()  # count only the compressed steps
+        _train(ddp, opt, x, y, fresh, batch, rank, world_size)
+        with CollectiveBytes() as sent:  # the compressed steps only
             _train(ddp, opt, x, y, compressed, batch, rank, world_size)
         results[name] = {
-            "bytes_per_step": (bytes_sent() - before) / len(compressed),
+            "bytes_per_step": sent.bytes / len(compressed),
             "accuracy": _accuracy(model, test_x, test_y),
             "seconds": time.perf_counter() - start,
             "codec_s": _codec_seconds(name, rank, model, world_size),
             "parameters": sum(p.numel() for p in model.parameters()),
         }
     return results
+
+
+class _LocalSGDStep:
+    """:func:`~lsdl_lab.train.fit`'s step for local SGD: forward and backward of the batch
+    (:func:`lsdl_lab.steps.accumulate`, one micro-batch), then the optimizer's update
+    between the averager's ``before_step`` (the warm-up's all-reduce of the gradients) and
+    ``after_step`` (the average of the models that ends a period)."""
+
+    def __init__(self, averager: PeriodicAverager):
+        self.averager = averager
+
+    def __call__(self, model, optimizer, batch, task) -> StepResult:
+        optimizer.zero_grad(set_to_none=True)
+        loss, examples, counts = accumulate(model, [batch], task)
+        self.averager.before_step()
+        optimizer.step()
+        self.averager.after_step()
+        return StepResult(loss.item(), examples, counts)
 
 
 def local_sgd_run(
@@ -400,8 +408,9 @@ def local_sgd_run(
 
     Returns ``{"periods": {H: {"accuracy", "rounds", "bytes", "seconds"}}, "overlap":
     {...}}``; ``bytes`` is what this rank handed to all-reduces (parameters or gradients
-    in float32)."""
-    # the identity, except in a dry run (lsdl_lab.profiles)
+    in float32) while training, by :class:`~lsdl_lab.distributed.CollectiveBytes`."""
+    # the identity, except in a dry run (lsdl_lab.profiles), where fit runs as many steps:
+    # the last average below depends on how many ran
     steps, batch = capped_steps(steps), capped_examples(batch)
     overlap_repeats = capped_steps(overlap_repeats)
     x, y, test_x, test_y = _digits(seed)
@@ -412,21 +421,22 @@ def local_sgd_run(
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         averager = PeriodicAverager(model.parameters(), period, warmup_steps)
         start = time.perf_counter()
-        for step in range(steps):
-            xb, yb = _shard(x, y, step, batch, rank, world_size)
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(xb), yb).backward()
-            averager.before_step()
-            opt.step()
-            averager.after_step()
-        average_at_end = averager.rounds
+        with CollectiveBytes() as sent:
+            fit(
+                model,
+                opt,
+                lambda t: _shard(x, y, t, batch, rank, world_size),
+                steps,
+                step=_LocalSGDStep(averager),
+                progress=False,
+                grad_norm=False,
+            )
         if (steps - warmup_steps) % period:  # evaluate one model: average a last time
             average_parameters(model.parameters())
-        size = measure(model)["params"]
         out[period] = {
             "accuracy": _accuracy(model, test_x, test_y),
-            "rounds": average_at_end,
-            "bytes": average_at_end * size,
+            "rounds": averager.rounds,
+            "bytes": sent.bytes,
             "seconds": time.perf_counter() - start,
         }
     xb, yb = _shard(x, y, 0, batch, rank, world_size)
@@ -498,8 +508,7 @@ def model_parallel_run(
     block = models.TransformerBlock(dim, heads, 0.0).double()
     tp = TensorParallelBlock(block)
     x = torch.randn(2, 8, dim, dtype=torch.float64)
-    counter = [0]
-    with _counting_all_reduce(counter):
+    with CollectiveBytes() as sent:
         y_tp = tp(x)
     y = block(x)
     y.square().sum().backward()
@@ -510,7 +519,7 @@ def model_parallel_run(
     tensor = {
         "output_error": (y - y_tp).abs().max().item(),
         "grad_error": (w[rank * h : (rank + 1) * h] - w_tp).abs().max().item(),
-        "bytes_per_forward": counter[0],
+        "bytes_per_forward": sent.bytes,
         "activation_bytes": x.numel() * x.element_size(),
     }
 

@@ -16,11 +16,13 @@ Every optimizer of the book steps here, whatever its protocol:
   ``opt.step(closure)`` with a closure returning ``(loss, outputs)`` with their graph
   (Newton reads the loss, HF the outputs too).
 
-The time of a step is measured around the forward pass, the backward pass and the update
-(``time.perf_counter``; on CUDA after a synchronization), and the time of the update alone
-(``opt.step``) separately, so the cost of a preconditioner refresh can be read off the
-steps on which it happens. Evaluating the loss that is compared with the target is not
-timed.
+A run is :func:`lsdl_lab.train.fit` (the one loop) with a step function of this module,
+:class:`TimedStep`, which steps by the optimizer's protocol and times it: around the
+forward pass, the backward pass and the update (``time.perf_counter``; on CUDA after a
+synchronization), and the update alone (``opt.step``) separately, so the cost of a
+preconditioner refresh can be read off the steps on which it happens. Evaluating the
+loss that is compared with the target (after the step, in fit's callback) is not timed.
+In a dry run (:mod:`lsdl_lab.profiles`) fit caps the steps.
 """
 
 from __future__ import annotations
@@ -33,14 +35,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
-from .._util import check_int, check_real
+from .._util import check_int, check_real, eval_mode
 from ..memory.measure import measure
 from ..optim.second_order import SecondOrderOptimizer
-from ..profiles import capped_steps
+from ..train import LossFunction, StepResult, fit
 
-__all__ = ["Run", "race", "relative_cost", "state_bytes", "train_run"]
+__all__ = ["Run", "TimedStep", "race", "relative_cost", "state_bytes", "train_run"]
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -108,6 +109,49 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class TimedStep:
+    """:func:`lsdl_lab.train.fit`'s step for a race: one step of the optimizer's protocol
+    (see the module's docstring), its seconds and its update's seconds appended to
+    ``run`` (the training seconds so far, and the update's alone); the batch's loss, before
+    the update, is what fit logs and what :attr:`loss` keeps."""
+
+    def __init__(self, run: Run, device: torch.device):
+        self.run, self.device = run, device
+        self.elapsed = 0.0
+        self.loss = math.nan
+
+    def __call__(self, model, optimizer, batch, task) -> StepResult:
+        x, y = batch
+        _sync(self.device)
+        start = time.perf_counter()
+        if isinstance(optimizer, SecondOrderOptimizer):
+
+            def closure():
+                out = model(x)
+                return task.loss(out, y), out
+
+            update_start = start
+            loss = optimizer.step(closure)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            loss = task.loss(model(x), y)
+            getattr(optimizer, "backward", torch.Tensor.backward)(loss)  # K-FAC's own
+            _sync(self.device)
+            update_start = time.perf_counter()
+            optimizer.step()
+        _sync(self.device)
+        end = time.perf_counter()
+        self.elapsed += end - start
+        self.run.seconds.append(self.elapsed)
+        self.run.update_seconds.append(end - update_start)
+        self.loss = float(loss.detach())
+        return StepResult(self.loss, task.examples(y), {})
+
+
+class _Diverged(Exception):
+    """Raised from fit's callback to end a run whose loss is no longer finite."""
+
+
 def train_run(
     name: str,
     model: nn.Module,
@@ -120,58 +164,50 @@ def train_run(
     progress: bool = True,
 ) -> Run:
     """Train ``model`` with ``optimizer`` for ``steps`` steps on ``batches(t)`` (``t = 0,
-    1, ...``) and record a :class:`Run`. ``evaluate(model)`` gives the loss compared with
-    targets (default: the training batch's loss before the step, as most training loops
-    log); it runs in evaluation mode, without gradients, every ``eval_every`` steps and
-    after the last. A loss that is not finite ends the run (``diverged``). ``progress``
-    shows a bar of the steps."""
-    # capped_steps: the identity except in the dry run of tests/test_gpu_profile.py
-    steps = capped_steps(check_int("steps", steps, 1))
+    1, ...``) and record a :class:`Run`: :func:`lsdl_lab.train.fit` with a
+    :class:`TimedStep`. ``evaluate(model)`` gives the loss compared with targets (default:
+    the training batch's loss before the step, as most training loops log); it runs in
+    evaluation mode, without gradients, every ``eval_every`` steps and after the last. A
+    loss that is not finite ends the run (``diverged``). ``progress`` shows a bar of the
+    steps."""
+    steps = check_int("steps", steps, 1)
     eval_every = check_int("eval_every", eval_every, 1)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     device = params[0].device if params else torch.device("cpu")
     run = Run(name, sum(p.numel() for p in model.parameters() if p.requires_grad))
-    closure_style = isinstance(optimizer, SecondOrderOptimizer)
-    backward = getattr(optimizer, "backward", None) or (lambda loss: loss.backward())
-    elapsed = 0.0
-    for t in tqdm(range(steps), desc=name, disable=not progress, leave=False):
-        x, y = batches(t)
-        model.train()
-        _sync(device)
-        start = time.perf_counter()
-        if closure_style:
+    step = TimedStep(run, device)
 
-            def closure(x=x, y=y):
-                out = model(x)
-                return loss_fn(out, y), out
+    def evaluated() -> float:
+        with eval_mode(model), torch.no_grad():
+            return float(evaluate(model))
 
-            update_start = start
-            loss = optimizer.step(closure)
-        else:
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            backward(loss)
-            _sync(device)
-            update_start = time.perf_counter()
-            optimizer.step()
-        _sync(device)
-        end = time.perf_counter()
-        elapsed += end - start
-        run.seconds.append(elapsed)
-        run.update_seconds.append(end - update_start)
-        batch_loss = float(loss.detach())
-        value = batch_loss
-        if evaluate is not None and ((t + 1) % eval_every == 0 or t + 1 == steps):
-            model.eval()
-            with torch.no_grad():
-                value = float(evaluate(model))
-            batch_loss = value if not math.isfinite(value) else batch_loss
-        elif evaluate is not None:
-            value = math.nan
+    def after_step(done: int, _history) -> None:
+        due = evaluate is not None and done % eval_every == 0
+        value = evaluated() if due else (step.loss if evaluate is None else math.nan)
         run.losses.append(value)
-        if not math.isfinite(batch_loss):
-            run.diverged = True
-            break
+        if not math.isfinite(step.loss) or (due and not math.isfinite(value)):
+            raise _Diverged
+
+    try:
+        fit(
+            model,
+            optimizer,
+            batches,
+            steps,
+            step=step,
+            task=LossFunction(loss_fn),
+            device=device,
+            progress=progress,
+            callback=after_step,
+            desc=name,
+            grad_norm=False,
+        )
+    except _Diverged:
+        run.diverged = True
+    if evaluate is not None and not run.diverged and run.steps % eval_every:
+        # after the last step fit ran (fewer than steps in a dry run), if not evaluated yet
+        run.losses[-1] = evaluated()
+        run.diverged = not math.isfinite(run.losses[-1])
     run.state_bytes = state_bytes(optimizer)
     return run
 

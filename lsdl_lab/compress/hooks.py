@@ -1,5 +1,4 @@
-"""The compressors as DDP communication hooks, each counting the bytes it hands to the
-collectives.
+"""The compressors as DDP communication hooks.
 
 Register one with ``ddp_model.register_comm_hook(state, hook)``, ``state`` a
 :class:`HookState`. DDP then calls ``hook(state, bucket)`` for each bucket of gradients
@@ -14,6 +13,11 @@ future holds as the bucket's averaged gradient.
   are summed by an all-reduce and decompressed once.
 * :func:`powersgd_hook`: PowerSGD's two all-reduces (Vogels et al. 2019), as in torch's
   ``powerSGD_hook``.
+
+The hooks call ``torch.distributed``'s collectives from Python, so the book's one byte
+counter, :class:`lsdl_lab.distributed.CollectiveBytes`, sees them: the bytes a rank hands
+to the collectives during a step, as for torch's own hooks, are counted by opening one
+around the training (``with CollectiveBytes() as sent: ...``), not by the hooks.
 
 The hooks run their collectives synchronously (simple to read; no overlap with the rest
 of the backward pass, unlike torch's hooks, which chain futures). Their state is kept per
@@ -48,9 +52,8 @@ class HookState:
 
     ``make_compressor()`` builds a fresh compressor; one is kept per bucket (for PowerSGD,
     one per compressed matrix). For the first ``start_iter`` steps the bucket is all-reduced
-    uncompressed, like torch's ``start_powerSGD_iter``. ``bytes_sent`` counts the bytes this
-    rank handed to collectives (``numel * element_size`` of the tensors passed), ``steps``
-    the completed steps.
+    uncompressed, like torch's ``start_powerSGD_iter``. ``steps`` counts the completed
+    steps.
     """
 
     def __init__(
@@ -68,7 +71,6 @@ class HookState:
         self.group = group
         self.start_iter = check_int("start_iter", start_iter, 0)
         self.steps = 0
-        self.bytes_sent = 0
         self.memory: dict[tuple, object] = {}
 
     def remember(self, bucket: dist.GradBucket, make: Callable[[], object]) -> object:
@@ -80,9 +82,8 @@ class HookState:
 
     def all_reduce_mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each tensor averaged over the ranks, by one all-reduce of their concatenation
-        (one collective, not one per tensor); the bytes handed to it are counted."""
+        (one collective, not one per tensor)."""
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        self.bytes_sent += flat.numel() * flat.element_size()
         dist.all_reduce(flat, group=self.group)
         flat /= dist.get_world_size(self.group)
         return [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
@@ -110,7 +111,6 @@ def allgather_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     wire = flatten_payload(payload)  # one uint8 buffer: one collective
     gathered = [torch.empty_like(wire) for _ in range(dist.get_world_size(state.group))]
     dist.all_gather(gathered, wire, group=state.group)
-    state.bytes_sent += wire.numel()
     total = sum(compressor.decompress(unflatten_payload(w, payload)) for w in gathered)
     return state.done(bucket, grad.copy_(total).div_(len(gathered)))
 

@@ -13,6 +13,12 @@ count epochs::
 Every random choice (an epoch's order, a batch's crops, a text window's start) comes from
 its own CPU generator seeded by what it is for, the seed and the epoch or step, so the
 batches are the same on every device and whatever steps were read before.
+
+In a dry run (:mod:`lsdl_lab.profiles`) every batch and every evaluation set made here
+holds at most ``LSDL_MAX_EXAMPLES`` examples (a text's tokens, in whole windows, one at
+least), through one function, :func:`_rows`; the library's other cap, on steps, is
+:func:`lsdl_lab.train.fit`'s. A data set keeps its size, so its epochs keep their
+length.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .._util import check_bool, check_int, check_tensor, generator
-from ..profiles import capped_examples, capped_steps
+from ..profiles import capped_examples
 
 __all__ = [
     "BatchSource",
@@ -61,6 +67,13 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     CPU generator seeded by ``("epoch", seed, epoch)``, so every epoch of every seed has its
     own stream and every device gets the same order."""
     return torch.randperm(n, generator=generator("epoch", seed, epoch))
+
+
+def _rows(n: int, size: int = 1) -> int:
+    """``n`` rows of ``size`` examples each (images, or windows of ``size`` tokens), or in
+    a dry run (:mod:`lsdl_lab.profiles`) as many as ``LSDL_MAX_EXAMPLES`` examples fill, one
+    at least: the one place where the library caps the examples of a batch."""
+    return max(min(n, 1), capped_examples(n * size) // size)
 
 
 def _examples(x, y, *, empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +175,7 @@ class ImageBatches(_ShuffledExamples):
         step = check_int("step", step, 0)
         epoch, i = divmod(step, self.steps_per_epoch)
         idx = self.permutation(epoch)[i * self.batch_size : (i + 1) * self.batch_size]
-        idx = idx[: capped_examples(len(idx))]  # all of it, except in a dry run (scale.py)
+        idx = idx[: _rows(len(idx))]  # all of it, except in a dry run
         xb, yb = self.x[idx], self.y[idx]
         if self.augment:
             xb = random_crop_flip(xb, generator("augment", self.seed, step))
@@ -170,17 +183,18 @@ class ImageBatches(_ShuffledExamples):
 
 
 def eval_batches(x, y, batch_size: int, max_batches: int | None = None, device=None) -> list:
-    """``(xb, yb)`` batches in order, no shuffle, the last one possibly smaller."""
+    """``(xb, yb)`` batches in order, no shuffle, the last one possibly smaller: all of
+    ``x`` or its first ``max_batches`` batches (in a dry run, at most its cap's examples)."""
     x, y = _examples(x, y, empty=True)
-    # capped_*: the identity, except in a dry run (lsdl_lab.profiles)
-    batch_size = capped_examples(check_int("batch_size", batch_size, 1))
-    n_batches = math.ceil(len(x) / batch_size)
+    batch_size = check_int("batch_size", batch_size, 1)
+    n = len(x)
     if max_batches is not None:
-        n_batches = min(n_batches, check_int("max_batches", max_batches, 1))
-    n_batches = capped_steps(n_batches)
+        n = min(n, check_int("max_batches", max_batches, 1) * batch_size)
+    n = _rows(n)  # all of them, except in a dry run
+    x, y = x[:n], y[:n]
     return [
         (x[i : i + batch_size].to(device), y[i : i + batch_size].to(device))
-        for i in range(0, n_batches * batch_size, batch_size)
+        for i in range(0, len(x), batch_size)
     ]
 
 
@@ -192,12 +206,6 @@ def _windows(tokens, block_size, batch_size) -> tuple[torch.Tensor, int, int]:
         raise ValueError(f"Invalid tokens: {len(tokens)} tokens (expected at least 2)")
     block_size = check_int("block_size", block_size, 1, len(tokens) - 1)
     return tokens, block_size, check_int("batch_size", batch_size, 1)
-
-
-def _capped_rows(batch_size: int, block_size: int) -> int:
-    """``batch_size`` windows, except in a dry run (:mod:`lsdl_lab.profiles`), whose cap on
-    examples counts tokens, the examples of a language model's loss (at least one window)."""
-    return max(1, capped_examples(batch_size * block_size) // block_size)
 
 
 class TextBatches(BatchSource):
@@ -219,7 +227,7 @@ class TextBatches(BatchSource):
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         step = check_int("step", step, 0)
         g = generator("text", self.seed, step)
-        rows = _capped_rows(self.batch_size, self.block_size)
+        rows = _rows(self.batch_size, self.block_size)  # a dry run's cap counts tokens
         starts = torch.randint(len(self.tokens) - self.block_size, (rows,), generator=g)
         windows = self.tokens[starts.to(self.tokens.device)[:, None] + self._span]
         return windows[:, :-1], windows[:, 1:]
@@ -228,14 +236,14 @@ class TextBatches(BatchSource):
 def text_eval_batches(
     tokens, block_size: int, batch_size: int, max_batches: int | None = None, device=None
 ) -> list:
-    """Contiguous, non-overlapping windows in order, batched; the last batch may be smaller."""
+    """Contiguous, non-overlapping windows in order, batched; the last batch may be smaller
+    (in a dry run, at most its cap's tokens in whole windows, one at least)."""
     tokens, block_size, batch_size = _windows(tokens, block_size, batch_size)
-    batch_size = _capped_rows(batch_size, block_size)
     n_windows = (len(tokens) - 1) // block_size
     starts = torch.arange(n_windows) * block_size
     if max_batches is not None:
         starts = starts[: check_int("max_batches", max_batches, 1) * batch_size]
-    starts = starts[: capped_steps(math.ceil(len(starts) / batch_size)) * batch_size]
+    starts = starts[: _rows(len(starts), block_size)]  # all of them, except in a dry run
     windows = tokens[starts[:, None] + torch.arange(block_size + 1)].to(device)
     return [(w[:, :-1], w[:, 1:]) for w in windows.split(batch_size)]
 
@@ -315,5 +323,5 @@ class GrowingBatches(_ShuffledExamples):
         b = self.batch_size_of_epoch(e)
         i = step - self._starts[e]
         idx = self.permutation(e)[i * b : (i + 1) * b]
-        idx = idx[: capped_examples(len(idx))]  # all of it, except in a dry run (scale.py)
+        idx = idx[: _rows(len(idx))]  # all of it, except in a dry run
         return self.x[idx], self.y[idx]

@@ -12,6 +12,8 @@
   asynchronous SGD with bounded staleness.
 * :mod:`~lsdl_lab.distributed.local_sgd`: communicating less often: gradient accumulation with
   ``no_sync``, local SGD and post-local SGD, overlap of communication with the backward pass.
+* :mod:`~lsdl_lab.distributed.traffic`: :class:`CollectiveBytes`, the one count of the bytes
+  a rank hands to the collectives, for every experiment and the entry point.
 
 The importable workers that Chapter 7 and Lab 7 spawn live in the book's wing,
 :mod:`lsdl_lab.book.communication_experiments`.
@@ -41,6 +43,7 @@ from .local_sgd import (
     post_local_sgd,
 )
 from .param_server import all_reduce_sgd, asynchronous_sgd, pull, push, synchronous_sgd
+from .traffic import CollectiveBytes
 from .world import (
     Placement,
     WorkerError,
@@ -55,6 +58,7 @@ from .world import (
 
 __all__ = [
     "AlphaBeta",
+    "CollectiveBytes",
     "PeriodicAverager",
     "accumulate_gradients",
     "all_reduce_gradients",

@@ -42,6 +42,7 @@ from torch import nn
 
 from .. import checkpoint as files
 from .._util import seed_from
+from ..distributed.traffic import CollectiveBytes
 from ..distributed.world import Placement, free_port, init_from_env, placement
 from ..memory import LossScaler, checkpoint_sequential, mixed_precision_for
 from ..profiles import capped_steps
@@ -51,7 +52,6 @@ from .build import build, make_schedule
 from .config import Config
 from .metrics import MetricsLog, read_metrics
 from .parallel import (
-    CollectiveBytes,
     build_optimizer,
     full_state,
     load_full_optimizer_state,

@@ -17,30 +17,25 @@ wrapped first, and only the model; the optimizer is built once, after it.
   keyed by parameter *name*, as one process holds them, whatever the mode. A checkpoint
   written under one mode and world size therefore loads under any other (ZeRO's and
   FSDP2's shards are cut again for the new world).
-* :class:`CollectiveBytes`: the one count of the bytes this rank hands to collectives,
-  for every mode (DDP's all-reduces and compression hooks, ZeRO's and FSDP2's gathers and
-  reduce-scatters all call ``torch.distributed``'s functions from Python).
+* :class:`~lsdl_lab.distributed.CollectiveBytes` (from :mod:`lsdl_lab.distributed.traffic`,
+  the one byte counter of the book) counts what a rank hands to collectives in every mode:
+  DDP's all-reduces and compression hooks, ZeRO's and FSDP2's gathers and reduce-scatters
+  all call ``torch.distributed``'s functions from Python (DDP through torch's all-reduce
+  hook, registered by :func:`parallelize`, not its C++ reducer).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import warnings
-
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import compress
-from .._util import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 from ..memory import ZeroOptimizer, measure
 from .build import WHOLE_TENSOR, optimizer_class
 from .config import Config
 
 __all__ = [
-    "CollectiveBytes",
     "build_optimizer",
     "check_config",
     "full_state",
@@ -228,66 +223,6 @@ def load_full_optimizer_state(
         optimizer.load_full_state_dict(by_index)
     else:
         optimizer.load_state_dict(by_index)
-
-
-# -- counting the bytes handed to collectives ----------------------------------------------
-
-# collective -> (position, keyword) of the tensor this rank contributes
-_INPUTS = {
-    "all_reduce": (0, "tensor"),
-    "broadcast": (0, "tensor"),
-    "all_gather": (1, "tensor"),
-    # the flat forms under the name this torch gives them (the other name, where torch has
-    # both, is a deprecated alias that calls this one)
-    ALL_GATHER_SINGLE: (1, "input_tensor"),
-    REDUCE_SCATTER_SINGLE: (1, "input"),
-}
-
-
-class CollectiveBytes(contextlib.AbstractContextManager):
-    """Inside the block, every call of ``torch.distributed``'s collectives made through
-    the module (``dist.all_reduce(...)``, as DDP's hooks, ZeroOptimizer and FSDP2 call
-    them) adds the bytes of the tensor this rank contributes to :attr:`bytes`.
-
-    The count is what is *handed* to the collective (``numel x element_size``), the
-    convention of :class:`lsdl_lab.compress.HookState`; what a ring algorithm then puts on
-    each link is about twice that for an all-reduce (Chapter 7's cost model).
-    """
-
-    def __init__(self):
-        self.bytes = 0
-        self._saved: dict = {}
-
-    def _wrap(self, name: str, fn):
-        position, keyword = _INPUTS[name]
-
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            tensor = args[position] if len(args) > position else kwargs[keyword]
-            self.bytes += tensor.numel() * tensor.element_size()
-            return fn(*args, **kwargs)
-
-        return counted
-
-    def __enter__(self):
-        for name in _INPUTS:
-            self._saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, self._saved[name]))
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved.clear()
-
-    @contextlib.contextmanager
-    def counting(self):
-        """This counter over a step (its collectives counted), with ZeRO-3's expected
-        warning silenced: it gathers a unit's parameters in a backward pre-hook, which torch
-        warns about for the first layer (whose input needs no gradient)."""
-        with self, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            yield
 
 
 # -- what the modes cannot do --------------------------------------------------------------

@@ -104,6 +104,19 @@ def test_divergence_stops_the_run(device):
     assert run.diverged and run.steps == 3 and run.final_loss() == math.inf
 
 
+def test_a_dry_run_stops_where_fit_stops_and_evaluates_the_last_step(monkeypatch):
+    # a race trains through lsdl_lab.train.fit, whose step counter caps a dry run
+    monkeypatch.setenv("LSDL_MAX_STEPS", "2")
+    model, batches = make_model(), data()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    run = races.train_run(
+        "SGD", model, opt, lambda t: batches, 7, F.cross_entropy, full_loss, 3, progress=False
+    )
+    assert run.steps == 2 and len(run.losses) == 2 and not run.diverged
+    assert math.isnan(run.losses[0])  # step 1 is not a multiple of eval_every
+    assert run.losses[1] == full_loss(model)  # the last step that ran is evaluated
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="optimizers"):
         races.race(make_model, {}, lambda t: data(), 5, F.cross_entropy)

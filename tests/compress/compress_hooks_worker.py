@@ -1,7 +1,8 @@
 """The rank-side half of test_hooks.py: it trains a small model under DDP with each hook in
 one world. A spawned rank imports its worker by module name, and pytest's importlib mode
 gives test modules names a child cannot import, so the worker lives in this plain module
-(test_hooks.py puts this folder on sys.path, which the spawned ranks inherit)."""
+(pytest's pythonpath setting puts this folder on sys.path, which the spawned ranks
+inherit)."""
 
 from unittest import mock
 
@@ -24,6 +25,7 @@ from lsdl_lab.compress import (
     allreduce_hook,
     powersgd_hook,
 )
+from lsdl_lab.distributed import CollectiveBytes
 
 STEPS, BATCH, LR, START = 30, 16, 0.1, 2
 
@@ -47,7 +49,8 @@ def data():
 
 def train(rank, world_size, register, before_step=None, steps=STEPS, bucket_cap_mb=25.0):
     """Train with the hook that ``register(ddp)`` installs; the loss on all the data before
-    and after, the flat parameters and the number of buckets DDP made."""
+    and after, the flat parameters, and the bytes this rank handed to the collectives while
+    training (the library's one counter, lsdl_lab.distributed.CollectiveBytes)."""
     x, y = data()
     net = model()
     ddp = DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
@@ -56,17 +59,18 @@ def train(rank, world_size, register, before_step=None, steps=STEPS, bucket_cap_
     loss = nn.functional.mse_loss
     with torch.no_grad():
         before = loss(net(x), y).item()
-    for step in range(steps):
-        if before_step is not None:
-            before_step(step)
-        start = (step * world_size + rank) * BATCH % len(x)  # each rank its own examples
-        opt.zero_grad()
-        loss(ddp(x[start : start + BATCH]), y[start : start + BATCH]).backward()
-        opt.step()
+    with CollectiveBytes() as sent:
+        for step in range(steps):
+            if before_step is not None:
+                before_step(step)
+            start = (step * world_size + rank) * BATCH % len(x)  # each rank its own examples
+            opt.zero_grad()
+            loss(ddp(x[start : start + BATCH]), y[start : start + BATCH]).backward()
+            opt.step()
     with torch.no_grad():
         after = loss(net(x), y).item()
     params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    return {"before": before, "after": after, "params": params}
+    return {"before": before, "after": after, "params": params, "bytes_sent": sent.bytes}
 
 
 def with_state(hook, make, start_iter=0):
@@ -133,7 +137,7 @@ def run_hook_checks(rank, world_size):
     for name, (hook, make) in cases(rank).items():
         state, register = with_state(hook, make)
         results[name] = train(rank, world_size, register)
-        results[name].update(bytes_sent=state.bytes_sent, steps=state.steps)
+        results[name].update(steps=state.steps)
     # 100-byte buckets: DDP rebuilds its one first-step bucket into several after step 0, and
     # the residuals must follow the parameters, not the bucket index
     state, register = with_state(allgather_hook, lambda: ErrorFeedback(SignSGD()))
@@ -141,7 +145,7 @@ def run_hook_checks(rank, world_size):
     results["sign+ef-small-buckets"].update(buckets_kept=len(state.memory))
     state, register = with_state(powersgd_hook, lambda: PowerSGD(2), start_iter=START)
     results["powersgd-start2"] = train(rank, world_size, register)
-    results["powersgd-start2"].update(bytes_sent=state.bytes_sent, steps=state.steps)
+    results["powersgd-start2"].update(steps=state.steps)
     results["torch-powersgd"] = torch_powersgd(rank, world_size)
     results["torch-fp16"] = train(
         rank, world_size, lambda ddp: ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)

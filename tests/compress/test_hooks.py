@@ -3,17 +3,13 @@ under DDP with every hook (compress_hooks_worker.run_hook_checks) and these test
 results."""
 
 import math
-import sys
-from pathlib import Path
 
+import compress_hooks_worker as worker  # the ranks import it by name (pytest's pythonpath)
 import pytest
 import torch
 
 from lsdl_lab.compress import HookState
 from lsdl_lab.distributed import spawn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ranks import the worker by name
-import compress_hooks_worker as worker  # noqa: E402
 
 D = 20 * 30 + 30 + 30 * 1 + 1  # the model's parameters, all in DDP's one bucket
 K = round(0.1 * D)
@@ -56,7 +52,8 @@ def test_an_all_zero_bucket_comes_back_zero_not_nan(ranks):
         assert rank["zeros"] == dict.fromkeys(worker.cases(0), True)
 
 
-def test_bytes_counted_by_the_hooks_equal_the_formula(ranks):
+def test_bytes_handed_to_the_collectives_equal_the_formula(ranks):
+    # counted by lsdl_lab.distributed.CollectiveBytes around each training (the worker)
     for rank in ranks:
         for name, per_step in PER_STEP.items():
             assert rank[name]["steps"] == worker.STEPS
@@ -65,6 +62,16 @@ def test_bytes_counted_by_the_hooks_equal_the_formula(ranks):
         start = rank["powersgd-start2"]
         expected = worker.START * 4 * D + (worker.STEPS - worker.START) * PER_STEP["powersgd"]
         assert start["bytes_sent"] == expected
+
+
+def test_torchs_hooks_are_counted_alike_and_its_cpp_reducer_is_not(ranks):
+    for rank in ranks:
+        # the same counter sees torch's Python hooks: fp16 hands 2 bytes a parameter, and
+        # torch's PowerSGD the same P, Q and vectors as ours
+        assert rank["torch-fp16"]["bytes_sent"] == worker.STEPS * 2 * D
+        assert rank["torch-powersgd"]["bytes_sent"] == rank["powersgd-start2"]["bytes_sent"]
+        # without a hook DDP's reducer calls the backend from C++, out of the counter's sight
+        assert rank["plain"]["bytes_sent"] == 0
 
 
 def test_powersgd_hook_trains_like_torchs(ranks):

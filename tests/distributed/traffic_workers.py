@@ -1,0 +1,98 @@
+"""The rank-side half of test_traffic.py: one world of 2 calls each collective inside and
+outside counters' blocks. A spawned rank imports its worker by module name, so it lives in
+this plain module (pytest's pythonpath setting puts this folder on sys.path, which the
+ranks inherit)."""
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from lsdl_lab.distributed import CollectiveBytes
+from lsdl_lab.distributed.traffic import COUNTED
+
+N = 1000  # entries this rank hands to each collective (a world's worth for reduce-scatter)
+FLAT_GATHERS = ("all_gather_single", "all_gather_into_tensor")
+FLAT_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+def _counted(name: str, *args, **kwargs) -> int:
+    """The bytes a counter counts for ``dist.<name>(*args, **kwargs)``, completed (looked up
+    in the block, as callers of ``dist.<name>`` do)."""
+    with CollectiveBytes() as counter:
+        work = getattr(dist, name)(*args, **kwargs)
+        if work is not None:  # async_op=True
+            work.wait()
+    return counter.bytes
+
+
+def every_collective(rank, world_size) -> dict:
+    """Bytes counted for one call of each collective this torch has (each name of a flat
+    collective on its own), and that each still computed its result."""
+    w = world_size
+    out = {}
+    summed = torch.ones(N)
+    out["all_reduce"] = _counted("all_reduce", summed)
+    out["all_reduce sums"] = torch.equal(summed, torch.full((N,), float(w)))
+    out["all_reduce float64 by keyword"] = _counted(
+        "all_reduce", tensor=torch.ones(N, dtype=torch.float64)
+    )
+    out["all_reduce float16 async"] = _counted(
+        "all_reduce", torch.ones(N, dtype=torch.float16), async_op=True
+    )
+    out["broadcast"] = _counted("broadcast", torch.full((N,), float(rank)), src=0)
+    gathered = [torch.empty(N) for _ in range(w)]
+    out["all_gather"] = _counted("all_gather", gathered, torch.full((N,), float(rank)))
+    out["all_gather gathers"] = [g[0].item() for g in gathered]
+    with warnings.catch_warnings():  # torch 2.13 deprecates the older flat names
+        warnings.simplefilter("ignore", FutureWarning)
+        for name in (n for n in FLAT_GATHERS if n in COUNTED):
+            output = torch.empty(w * N)
+            out[name] = _counted(name, output, torch.full((N,), float(rank)))
+            out[name + " gathers"] = output[::N].tolist()
+        for name in (n for n in FLAT_SCATTERS if n in COUNTED):
+            output = torch.empty(N)
+            out[name] = _counted(name, output, torch.ones(w * N))
+            out[name + " sums"] = torch.equal(output, torch.full((N,), float(w)))
+    return out
+
+
+def blocks(rank, world_size) -> dict:
+    """Counts across blocks: calls outside a block, a counter reopened, nested counters, a
+    block that raises; and torch's functions after all of them."""
+    torch_functions = {name: getattr(dist, name) for name in COUNTED}
+    out = {}
+    counter = CollectiveBytes()
+    dist.all_reduce(torch.ones(N))  # before the block
+    with counter:
+        dist.all_reduce(torch.ones(N))
+    dist.all_reduce(torch.ones(N))  # after it
+    out["one block"] = counter.bytes
+    with counter:  # a second block adds to the count
+        dist.all_reduce(torch.ones(2 * N))
+    out["two blocks"] = counter.bytes
+
+    outer, inner = CollectiveBytes(), CollectiveBytes()
+    with outer:
+        dist.all_reduce(torch.ones(N))
+        with inner:
+            dist.all_reduce(torch.ones(2 * N))
+        dist.all_reduce(torch.ones(3 * N))
+    out["nested"] = (outer.bytes, inner.bytes)
+
+    failing = CollectiveBytes()
+    try:
+        with failing:
+            dist.all_reduce(torch.ones(N))
+            raise KeyError("a step that fails")
+    except KeyError:
+        pass
+    dist.all_reduce(torch.ones(N))
+    out["failed block"] = failing.bytes
+
+    bound = dist.all_reduce  # torch's function, bound to a name before the block opens
+    with CollectiveBytes() as unseen:
+        bound(torch.ones(N))
+    out["bound before the block"] = unseen.bytes
+    out["restored"] = all(getattr(dist, n) is fn for n, fn in torch_functions.items())
+    return out
