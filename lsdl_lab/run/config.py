@@ -204,9 +204,12 @@ class Config:
             raise type(e)(f"{path}: {e}") from None
 
     def to_dict(self) -> dict:
+        """Every option and its value (what a checkpoint records of its run)."""
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
+        """The config as YAML, in the options' order (``config.yaml`` of a run; a file
+        that :meth:`from_yaml` and ``--config`` read back)."""
         import yaml
 
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

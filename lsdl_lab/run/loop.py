@@ -77,6 +77,7 @@ class Checkpointed(nn.Sequential):
         self.every, self.implementation = every, implementation
 
     def forward(self, x):
+        """The blocks on ``x``, recomputed in the backward pass segment by segment."""
         return checkpoint_sequential(list(self), x, self.every, self.implementation)
 
 
@@ -201,6 +202,9 @@ class RunCheckpoint(Checkpoint):
         self.model, self.optimizer, self.scheduler, self.step = model, optimizer, scheduler, step
 
     def save(self, step: int, history, elapsed: float) -> None:
+        """Write the run's state after ``step`` steps (every rank calls it: gathering the
+        whole state is a collective; rank 0 writes). The history is not kept: the metrics
+        log is the run's record."""
         model_state, optimizer_state = full_state(self.model, self.optimizer)  # collective
         files.save(
             self.path,
@@ -217,6 +221,9 @@ class RunCheckpoint(Checkpoint):
         )
 
     def restore(self):
+        """Load the checkpoint's optimizer, scheduler and loss-scaler states (the model's
+        weights were loaded before it was wrapped) and return (an empty history, the
+        step, the elapsed time); None without a checkpoint."""
         if self.state is None:
             return None
         load_full_optimizer_state(self.model, self.optimizer, self.state["optimizer"])

@@ -51,6 +51,7 @@ class MetricsLog:
             f.writelines(json.dumps(r) + "\n" for r in kept)
 
     def write(self, record: dict) -> None:
+        """Append ``record`` as one line (rank 0; the other ranks' logs write nothing)."""
         if self.active:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
