@@ -19,7 +19,9 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 COLAB_BASE := $(VENV)/colab-base
 FLOOR := $(VENV)/floor
 
-.PHONY: setup book test test-main test-floor floor test-gpu gpu-wheels lint browser colab-base student bench bench-cost clean
+.PHONY: setup book book-cached linkcheck pdf release test test-main test-floor floor test-labs \
+	test-colab latest test-latest test-gpu gpu-wheels lint browser colab-base student bench \
+	bench-cost clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +36,55 @@ book: $(STAMP)
 	rm -rf _build/html _build/.doctrees
 	$(BIN)/jupyter-book build . -W --keep-going
 
+# `make book`, but each page's executed notebook kept by jupyter-cache in _build/.jupyter_cache
+# (_config.yml's execute_notebooks: cache, in a copy of it), so that a page whose code cells
+# are unchanged is not run again. jupyter-cache hashes the code cells only, not the library,
+# the packages or LSDL_SCALE: the site's workflows (.github/workflows/pages.yml, release.yml)
+# restore the folder only for the same book, labs, library, requirements and profile.
+CACHED_CONFIG := _build/_config.cached.yml
+book-cached: $(STAMP)
+	rm -rf _build/html _build/.doctrees
+	mkdir -p _build
+	$(BIN)/python -c "import pathlib, yaml; c = yaml.safe_load(open('_config.yml')); \
+		c['execute']['execute_notebooks'] = 'cache'; ext = c['sphinx']['local_extensions']; \
+		c['sphinx']['local_extensions'] = {k: str(pathlib.Path(v).resolve()) for k, v in ext.items()}; \
+		yaml.safe_dump(c, open('$(CACHED_CONFIG)', 'w'), sort_keys=False)"
+	$(BIN)/jupyter-book build . --config $(CACHED_CONFIG) -W --keep-going
+
+# Every external link of the book, fetched (Sphinx's linkcheck builder; fails on a dead link;
+# .github/workflows/linkcheck.yml runs it weekly). The pages are executed at smoke: their
+# outputs' links do not depend on the profile. Report: _build/linkcheck/_build/html/output.txt
+linkcheck: $(STAMP)
+	rm -rf _build/linkcheck
+	LSDL_SCALE=smoke $(BIN)/jupyter-book build . --builder linkcheck --path-output _build/linkcheck
+
+# The book as one PDF, _build/pdf/lsdl.pdf: every page of the built site (_build/html, built by
+# `make book` when missing) printed by the system Chromium once its math is rendered, joined
+# in reading order with an outline (_ext/book_pdf.py). Nothing is downloaded.
+pdf: $(STAMP) browser
+	@test -f _build/html/index.html || $(MAKE) book
+	$(BIN)/python _ext/book_pdf.py _build/html -o _build/pdf/lsdl.pdf
+
+# What .github/workflows/release.yml publishes for a version tag EDITION (vN): the site (kept as
+# /vN/ beside the latest), the PDF and the student versions of the labs, in _build/release/.
+EDITION ?= dev
+release: book-cached pdf student
+	rm -rf _build/release
+	mkdir -p _build/release
+	cp _build/pdf/lsdl.pdf _build/release/lsdl-$(EDITION).pdf
+	$(BIN)/python -m zipfile -c _build/release/lsdl-student-labs-$(EDITION).zip student/
+	$(BIN)/python -c "import yaml; c = yaml.safe_load(open('_config.yml')); \
+		site, repo = c['html']['baseurl'], c['repository']['url']; \
+		print(f'The book as of $(EDITION): {site}$(EDITION)/ (its PDF and the student versions' \
+		f' of its labs are attached). Pin the library to it: pip install git+{repo}@$(EDITION)')" \
+		> _build/release/notes.md
+
+# The workflows (.github/workflows) are checked by actionlint, their shell steps by shellcheck
+# (both binaries from the package registry, in requirements.txt).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/actionlint -shellcheck=$(BIN)/shellcheck -pyflakes=
 
 # Debian's chromium and chromium-driver for the browser test (tests/test_book.py), installed
 # here when missing (CI runs as root); otherwise the command to run is printed.
@@ -76,12 +124,38 @@ test: test-main test-floor
 test-main: lint browser colab-base
 	LSDL_SCALE=smoke $(BIN)/python -m pytest -n 2 --dist loadfile tests
 
+# Every lab executed at smoke by nbval, in .venv (.github/workflows/colab.yml, weekly).
+test-labs: $(STAMP)
+	LSDL_SCALE=smoke $(BIN)/python -m pytest -n 2 -p no:cacheprovider --nbval-lax labs/
+
+# A lab installing itself in a Colab-like Python (tests/colab-requirements.txt, its newest
+# packages; .github/workflows/colab.yml, weekly; part of `make test` too).
+test-colab: colab-base
+	LSDL_SCALE=smoke $(BIN)/python -m pytest -p no:cacheprovider tests/test_colab_install.py
+
 # On the floor torch: the library's tests (not the book, the browser, nbgrader or the
 # Colab install, which test the toolchain, not torch) and every lab executed by nbval.
 FLOOR_SKIP := test_book.py test_labs_portable.py test_nbgrader.py test_nbgrader_later_labs.py \
 	test_colab_install.py
 test-floor: floor
 	LSDL_SCALE=smoke $(FLOOR)/bin/python -m pytest -n 2 --dist loadfile -p no:cacheprovider \
+		$(addprefix --ignore=tests/,$(FLOOR_SKIP)) tests --nbval-lax labs
+
+# The newest torch and numpy (requirements.txt without their pins; the rest as pinned there),
+# in .venv/latest, built anew each time, so that "newest" is the registry's of the day: the
+# library's tests and every lab, as on the floor (.github/workflows/latest.yml, weekly, where
+# PIP_EXTRA_INDEX_URL names the index of torch's CPU wheels).
+LATEST := $(VENV)/latest
+latest:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	sed -E 's/^(torch|numpy)[=<>!~ ].*$$/\1/' requirements.txt > $(LATEST)/requirements.txt
+	$(LATEST)/bin/python -m pip install -r $(LATEST)/requirements.txt
+	$(LATEST)/bin/python -m pip install -e .
+	$(LATEST)/bin/python -c "import numpy, torch; print('latest: torch', torch.__version__, '| numpy', numpy.__version__)"
+
+test-latest: latest
+	LSDL_SCALE=smoke $(LATEST)/bin/python -m pytest -n 2 --dist loadfile -p no:cacheprovider \
 		$(addprefix --ignore=tests/,$(FLOOR_SKIP)) tests --nbval-lax labs
 
 # On a machine with a CUDA GPU and its own torch (Colab, a cloud GPU), not part of `make test`:

@@ -1,4 +1,5 @@
-"""Headless Chromium over the built HTML book (used by tests/test_book.py).
+"""Headless Chromium over the built HTML book (used by tests/test_book.py, and by
+_ext/book_pdf.py, which prints the pages into the book's PDF).
 
 Debian's `chromium` and `chromium-driver` (apt-get install chromium chromium-driver; `make
 test` installs them when missing), driven by selenium. The site is served on localhost and
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import functools
 import http.server
+import io
 import shutil
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -116,3 +119,99 @@ def page_state(session, url: str) -> dict:
 
 def console_errors(session) -> list[str]:
     return [e["message"] for e in session.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def set_theme(session, theme: str, clicks: int = 3) -> bool:
+    """Switch the page to the `theme` ("light" or "dark") with the theme's own button (it
+    cycles auto, dark and light, and keeps the choice for the next pages); whether it did."""
+    for _ in range(clicks + 1):
+        if session.execute_script("return document.documentElement.dataset.theme;") == theme:
+            return True
+        buttons = session.find_elements("css selector", ".theme-switch-button")
+        shown = [b for b in buttons if b.is_displayed()]
+        if not shown:
+            return False
+        shown[0].click()
+    return False
+
+
+# Every figure of the page's text (an executed cell's image, a numbered figure, a widget
+# explorer's static picture), with where to sample it once it is scrolled into view: a
+# point of the picture itself (near its top-left corner: the figure's own background) and
+# of the card around it (the middle of the image's left padding, where it has one).
+FIGURES_JS = """
+return [...document.querySelectorAll("article div.cell_output img, article figure img")]
+    .filter(img => img.naturalWidth > 0 && img.checkVisibility())
+    .map((img, i) => {
+        const cell = img.closest(".cell");
+        const source = cell && cell.querySelector(".cell_input");
+        return {
+            index: i,
+            src: img.getAttribute("src"),
+            explorer: !!source && /_explorer\\(/.test(source.textContent),
+        };
+    });
+"""
+
+FIGURE_POINTS_JS = """
+const img = [...document.querySelectorAll("article div.cell_output img, article figure img")]
+    .filter(img => img.naturalWidth > 0 && img.checkVisibility())[arguments[0]];
+img.scrollIntoView({block: "center"});
+const r = img.getBoundingClientRect(), s = getComputedStyle(img);
+const px = v => parseFloat(v) || 0;
+const left = r.left + px(s.borderLeftWidth), top = r.top + px(s.borderTopWidth);
+const padded = px(s.paddingLeft) >= 3 && px(s.paddingTop) >= 3;
+return {
+    figure: [left + px(s.paddingLeft) + 2, top + px(s.paddingTop) + 2],
+    card: padded ? [left + px(s.paddingLeft) / 2, r.top + r.height / 2] : null,
+    scale: window.devicePixelRatio,
+    page: getComputedStyle(document.body).backgroundColor,
+};
+"""
+
+
+def figure_colours(session) -> list[dict]:
+    """What the reader sees of each figure of the loaded page in its current theme: the
+    colour (r, g, b) of the figure's own background and of its card as rendered (read from
+    screenshots, so the theme's filters count), the page's background, whether it is a widget
+    explorer's picture."""
+    from PIL import Image
+
+    colours = []
+    for figure in session.execute_script(FIGURES_JS):
+        points = session.execute_script(FIGURE_POINTS_JS, figure["index"])
+        time.sleep(0.05)  # the scroll's repaint
+        shot = Image.open(io.BytesIO(session.get_screenshot_as_png())).convert("RGB")
+        pixel = {
+            k: None
+            if points[k] is None
+            else shot.getpixel(tuple(int(c * points["scale"]) for c in points[k]))
+            for k in ("figure", "card")
+        }
+        colours.append(
+            {"src": figure["src"], "explorer": figure["explorer"], "page": points["page"], **pixel}
+        )
+    return colours
+
+
+def luminance(rgb) -> float:
+    """WCAG's relative luminance of an sRGB colour (0-255 channels)."""
+
+    def linear(c):
+        c /= 255
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (linear(c) for c in rgb[:3])
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(a, b) -> float:
+    """WCAG's contrast ratio of two colours, from 1 (none) to 21 (black on white)."""
+    la, lb = sorted((luminance(a), luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def css_rgb(value: str) -> tuple[int, int, int]:
+    """(r, g, b) of a computed CSS colour ("rgb(1, 2, 3)" or "rgba(1, 2, 3, 0.5)")."""
+    inner = value[value.index("(") + 1 : value.index(")")]
+    return tuple(int(float(c)) for c in inner.split(",")[:3])

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import unicodedata
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
@@ -51,6 +52,113 @@ def test_every_lab_has_a_colab_launch_button_configured():
     assert config["repository"]["url"].startswith("https://github.com/")
     labs = [f for f in toc_files() if f.startswith("labs/")]
     assert labs and all((ROOT / f"{f}.ipynb").exists() for f in labs)  # Colab opens .ipynb
+
+
+WORKFLOWS = ROOT / ".github" / "workflows"
+
+
+def workflows() -> dict:
+    return {p.name: yaml.safe_load(p.read_text()) for p in sorted(WORKFLOWS.glob("*.yml"))}
+
+
+def triggers(workflow) -> set:
+    on = workflow.get("on", workflow.get(True))  # YAML 1.1 reads the key `on` as True
+    return {on} if isinstance(on, str) else set(on)
+
+
+def make_targets() -> set:
+    return set(re.findall(r"^([A-Za-z][\w-]*):", (ROOT / "Makefile").read_text(), re.MULTILINE))
+
+
+def commands(workflow) -> list[str]:
+    """The shell lines of a workflow's steps, a job's matrix expanded (${{ matrix.x }})."""
+    lines = []
+    for job in workflow["jobs"].values():
+        matrix = job.get("strategy", {}).get("matrix", {})
+        for step in job.get("steps", []):
+            run = step.get("run", "")
+            for key, values in matrix.items():
+                ref = "${{ matrix." + key + " }}"
+                if ref in run:
+                    run = "\n".join(run.replace(ref, v) for v in values)
+            lines += run.splitlines()
+    return lines
+
+
+def test_the_workflows_wrap_make_targets_and_need_no_secret_for_pull_requests():
+    """Each workflow that builds or tests runs targets of the Makefile (CI: .ci/run, which is
+    `make test`), so that what runs on GitHub runs here; none is started by
+    pull_request_target, and those a pull request starts, from a fork too, use no secret and
+    get a read-only token; each scheduled one can be started by hand and reports a failure."""
+    found, targets = workflows(), make_targets()
+    assert {"ci.yml", "pages.yml", "preview.yml", "linkcheck.yml", "colab.yml", "latest.yml",
+            "release.yml"} <= set(found)  # fmt: skip
+    assert re.search(r"^make test$", (ROOT / ".ci" / "run").read_text(), re.MULTILINE)
+    made = {}
+    for name, workflow in found.items():
+        lines = commands(workflow)
+        made[name] = {m for line in lines for m in re.findall(r"\bmake\s+([\w-]+)", line)}
+        if any("bash .ci/run" in line for line in lines):
+            made[name].add("test")
+        assert made[name] <= targets, (name, made[name] - targets)
+        on = triggers(workflow)
+        assert "pull_request_target" not in on, name
+        if "pull_request" in on:
+            text = (WORKFLOWS / name).read_text()
+            assert not re.findall(r"secrets\.(?!GITHUB_TOKEN)", text), name
+            permissions = [workflow.get("permissions", {})] + [
+                job.get("permissions", {}) for job in workflow["jobs"].values()
+            ]
+            assert all("write" not in str(p) for p in permissions), name
+        if "schedule" in on:
+            assert "workflow_dispatch" in on, name
+            assert any(
+                job.get("uses") == "./.github/workflows/report-failure.yml"
+                and "failure()" in job.get("if", "")
+                for job in workflow["jobs"].values()
+            ), name
+    expected = {
+        "ci.yml": {"test"},
+        "pages.yml": {"book-cached"},
+        "preview.yml": {"book"},
+        "linkcheck.yml": {"linkcheck"},
+        "colab.yml": {"test-labs", "test-colab"},
+        "latest.yml": {"test-latest", "test-floor"},
+        "release.yml": {"release"},
+    }
+    assert {name: made[name] for name in expected} == expected
+
+
+def test_the_site_url_is_set_once_and_the_readme_opens_with_it():
+    """The site's URL is _config.yml's html.baseurl: GitHub Pages of the repository the config
+    names; every other mention of a GitHub Pages URL in the project is that one (or a page of
+    it); the README's first lines give it, with the badges of CI and of each scheduled
+    workflow, which exist."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    repo = config["repository"]["url"].rstrip("/")
+    owner, name = urlsplit(repo).path.strip("/").split("/")
+    site = config["html"]["baseurl"]
+    assert site == f"https://{owner}.github.io/{name}/"
+    assert config["parse"]["myst_substitutions"]["site"] == site  # {{ site }} in the pages
+    skip = {".git", ".venv", "_build", "build", "student", ".hypothesis", ".pytest_cache", ".whl"}
+    tops = [t for t in ROOT.iterdir() if t.name not in skip and not t.name.endswith(".egg-info")]
+    others = []
+    for path in (p for t in tops for p in ([t] if t.is_file() else t.rglob("*"))):
+        if path.is_file() and path.suffix in {".md", ".ipynb", ".py", ".yml", ".toml", ".css"}:
+            for url in re.findall(r"https://[\w.-]+\.github\.io/[^\s\"'<>)\]]*", path.read_text()):
+                if not url.startswith(site):
+                    others.append((str(path.relative_to(ROOT)), url))
+    assert not others, others
+    head = "\n".join((ROOT / "README.md").read_text().splitlines()[:10])
+    assert site in head
+    badges = re.findall(
+        rf"\[!\[[^\]]+\]\({re.escape(repo)}/actions/workflows/([\w-]+\.yml)/badge\.svg[^)]*\)\]"
+        rf"\({re.escape(repo)}/actions/workflows/([\w-]+\.yml)\)",
+        head,
+    )
+    assert all(a == b for a, b in badges), badges
+    scheduled = {n for n, w in workflows().items() if "schedule" in triggers(w)}
+    assert scheduled and {a for a, _ in badges} == {"ci.yml"} | scheduled
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +390,19 @@ def test_links_to_pages_on_github_become_links_to_the_site(tmp_path):
 
 
 ARTIFACTS = ROOT / "_build" / "test-artifacts"
-SCREENSHOTS = ("intro", "book/ch05_generalization_gap", "labs/lab03_optimizers")
+SCREENSHOTS = ("intro", "book/ch05_generalization_gap", "labs/lab03_optimizers")  # both modes
+# Dark mode: each figure of these pages is shown as drawn (its pixels within this many 8-bit
+# levels of light mode's: no dimming filter, its own white background), so its black text and
+# axes keep at least WCAG's AAA contrast, 7:1, on a light card, on a page that is dark.
+FIGURE_TOLERANCE = 4
+MIN_FIGURE_CONTRAST = 7.0
+INK = (0, 0, 0)  # the figures' text and axes (lsdl_lab.plot keeps matplotlib's black)
+BODY_BACKGROUND_JS = "return getComputedStyle(document.body).backgroundColor;"
+FIRST_FIGURE_JS = """
+const figure = [...document.querySelectorAll("article div.cell_output img, article figure img")]
+    .find(img => img.checkVisibility());
+if (figure) figure.scrollIntoView({block: "center"}); else window.scrollTo(0, 0);
+"""
 SEARCH_TERM, SEARCH_HIT = "momentum", "ch03_optimizers"  # a page the search must list
 MIN_MATH_PAGES = 5  # so that the math checks cannot pass by finding no math
 COLAB = re.compile(r"^https://colab\.research\.google\.com/github/([^/]+/[^/]+)/blob/main/(.+)$")
@@ -308,11 +428,24 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
     notebooks of the repository, its links open a page (and anchor) of the site or a file of
     the repository, never a page of the book on GitHub (the labs link chapters by their GitHub
     URL for Colab: the book's hook makes them internal); search finds a term; exercise
-    solutions are hidden until clicked; widget explorers show a static figure. Screenshots go
-    to _build/test-artifacts."""
+    solutions are hidden until clicked; widget explorers show a static figure; the theme's
+    switch turns pages dark, and there every figure (a widget explorer's too) reads as in
+    light mode, on a light card. Screenshots of some pages in each mode go to
+    _build/test-artifacts."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
-    from site_browser import browser_paths, chromium, console_errors, page_state, serve
+    from site_browser import (
+        browser_paths,
+        chromium,
+        console_errors,
+        contrast,
+        css_rgb,
+        figure_colours,
+        luminance,
+        page_state,
+        serve,
+        set_theme,
+    )
 
     returncode, log, html = smoke_book
     assert returncode == 0, "the book did not build (see test_book_builds_without_warnings)"
@@ -380,7 +513,48 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
         assert not body.is_displayed()
         solution.find_element(By.CSS_SELECTOR, ".toggle-button").click()
         WebDriverWait(browser, 10).until(lambda b: body.is_displayed())
-    print(f"screenshots of {', '.join(SCREENSHOTS)} in {ARTIFACTS}")
+
+        # until the reader chooses, the site follows the system's colour scheme ("auto")
+        mode = browser.execute_script("return document.documentElement.dataset.mode;")
+        if mode != "auto":
+            problems.append(f"the theme's mode before any choice: {mode} (expected auto)")
+        # both colour modes, switched by the theme's own button (the choice is kept for the
+        # next pages, so each page is set to light first); a screenshot of each page in dark
+        # mode (at its first figure) beside the one in light mode taken above
+        dark_figures = []
+        for page in SCREENSHOTS:
+            page_state(browser, f"{base}{page}.html")
+            seen = {}  # mode: (page background, figures)
+            for mode in ("light", "dark"):
+                if not set_theme(browser, mode):
+                    problems.append(f"{page}: the theme's switch did not turn it {mode}")
+                    break
+                if mode == "dark":  # at its first figure, if it has one
+                    browser.execute_script(FIRST_FIGURE_JS)
+                    browser.save_screenshot(str(ARTIFACTS / f"{page.replace('/', '_')}_dark.png"))
+                seen[mode] = (
+                    css_rgb(browser.execute_script(BODY_BACKGROUND_JS)),
+                    figure_colours(browser),
+                )
+            problems += [f"{page} (modes): console: {m}" for m in console_errors(browser)]
+            if len(seen) < 2:
+                continue
+            (light_page, light), (dark_page, dark) = seen["light"], seen["dark"]
+            if not luminance(light_page) > 0.9 > 0.05 > luminance(dark_page):
+                problems.append(f"{page}: page background {light_page} light, {dark_page} dark")
+            for before, after in zip(light, dark, strict=True):
+                shift = max(abs(a - b) for a, b in zip(before["figure"], after["figure"]))
+                if (
+                    shift > FIGURE_TOLERANCE
+                    or luminance(after["card"] or after["figure"]) < 0.8
+                    or contrast(after["figure"], INK) < MIN_FIGURE_CONTRAST
+                ):
+                    problems.append(
+                        f"{page}: {after['src']} in dark mode: background {after['figure']} "
+                        f"(light mode: {before['figure']}), card {after['card']}"
+                    )
+            dark_figures += dark
+    print(f"screenshots of {', '.join(SCREENSHOTS)}, light and dark, in {ARTIFACTS}")
     assert not problems, "\n".join(problems)
     assert math_pages >= MIN_MATH_PAGES and explorers >= 1  # the checks above did run
     labs = [f for f in toc_files() if f.startswith("labs/")]
@@ -388,4 +562,69 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
     # pages link most labs (the links' own checks above ran on these)
     assert len(labs_to_chapters) >= len(labs) - 1, sorted(labs_to_chapters)
     assert len(labs_from_chapters) >= len(labs) // 2, sorted(labs_from_chapters)
-    assert all((ARTIFACTS / f"{p.replace('/', '_')}.png").stat().st_size > 0 for p in SCREENSHOTS)
+    for p in SCREENSHOTS:
+        for shot in (f"{p.replace('/', '_')}.png", f"{p.replace('/', '_')}_dark.png"):
+            assert (ARTIFACTS / shot).stat().st_size > 0, shot
+    # the dark-mode checks ran, on figures, a widget explorer's among them
+    assert len(dark_figures) >= 3 and any(f["explorer"] for f in dark_figures)
+
+
+PDF_PAGES = 2  # the first pages of the book in the PDF test (`make pdf` prints every page;
+# the browser test above checks every page's math, figures and links on the site)
+
+
+def pdf_text(text: str) -> str:
+    """Text as the PDF test compares it: ligatures unfolded (ﬁ: fi), no whitespace."""
+    return re.sub(r"\s+", "", unicodedata.normalize("NFKC", text))
+
+
+@pytest.mark.notebook
+def test_the_book_prints_to_a_pdf(smoke_book, tmp_path, monkeypatch):
+    """`make pdf`'s printer (_ext/book_pdf.py) on the smoke build's first pages: they come in
+    reading order, each from a new page with its outline entry; the PDF's text holds each
+    page's figure captions and citations and, on a page with displayed equations, at least
+    one of them as MathJax typeset it (the others differ only in the order in which the
+    text of a fraction or a sum is read back); its links to pages of the book lead to the
+    published site, none to the local server it was printed from."""
+    from pypdf import PdfReader
+
+    returncode, log, html = smoke_book
+    assert returncode == 0, "the book did not build (see test_book_builds_without_warnings)"
+    spec = importlib.util.spec_from_file_location("book_pdf", ROOT / "_ext" / "book_pdf.py")
+    book_pdf = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "book_pdf", book_pdf)  # its dataclass looks itself up
+    spec.loader.exec_module(book_pdf)
+    out = tmp_path / "book.pdf"
+    printed = book_pdf.build_pdf(html, out, tmp_path / "profile", limit=PDF_PAGES)
+    reader = PdfReader(out)
+
+    pages = toc_files()[:PDF_PAGES]
+    assert [urlsplit(p.url).path for p in printed] == [f"/{f}.html" for f in pages]
+    assert all(p.count >= 1 for p in printed)
+    assert [p.first for p in printed] == [
+        sum(q.count for q in printed[:i]) for i in range(len(pages))
+    ]
+    assert len(reader.pages) == sum(p.count for p in printed)
+    outline = [(o.title, reader.get_destination_page_number(o)) for o in reader.outline]
+    assert outline == [(p.title, p.first) for p in printed]
+    for p in printed:
+        text = pdf_text("".join(page.extract_text() for page in reader.pages[p.first :][: p.count]))
+        missing = [c for c in p.captions + p.citations if pdf_text(c) not in text]
+        assert not missing, f"{p.title}: not in the PDF's text: {missing}"
+        if p.equations:
+            assert any(pdf_text(e) in text for e in p.equations), (p.title, p.equations)
+    shown = {k: sum(len(getattr(p, k)) for p in printed) for k in ("captions", "citations")}
+    assert shown["captions"] >= 1 and shown["citations"] >= 1, shown  # the checks above ran
+    assert sum(bool(p.equations) for p in printed) >= 1
+    # numbered figures: "Fig. N" then the caption, as on the site
+    assert all(re.match(r"Fig\.\s*\d+", c) for p in printed for c in p.captions)
+
+    uris = [
+        annotation.get_object()["/A"].get("/URI", "")
+        for page in reader.pages
+        for annotation in page.get("/Annots", [])
+        if "/A" in annotation.get_object()
+    ]
+    site = yaml.safe_load((ROOT / "_config.yml").read_text())["html"]["baseurl"]
+    assert not [u for u in uris if u.startswith("http://127.0.0.1")]
+    assert any(u.startswith(site) and ".html" in u for u in uris), uris[:20]
