@@ -39,7 +39,7 @@ def data_parallel_bytes(
 ) -> float:
     """Bytes one rank *hands* to the collectives of a step with one micro-batch, for
     ``numel`` parameters of ``element_bytes`` each on ``world_size`` ranks, by the entry
-    point's count (:class:`lsdl_lab.run.parallel.CollectiveBytes`: the tensor each rank
+    point's count (:class:`lsdl_lab.distributed.CollectiveBytes`: the tensor each rank
     contributes). DDP all-reduces the gradients (the whole vector); ZeRO stages 1 and 2
     reduce-scatter them (the whole vector) and all-gather the updated weights (its own
     shard, ``1/N`` of it); ZeRO-3 and FSDP2 gather the weights before the forward and again

@@ -33,6 +33,16 @@ and ``attention="fused"``: ``scaled_dot_product_attention``'s fused kernels
 storage as the projection's input here) and a float32 log-sum-exp per query and head,
 4abs bytes, and recompute the scores in the backward pass.
 
+Two fields of :class:`GPTShape` describe the shapes of later GPTs (Llama's): ``kv_heads``
+(grouped-query attention, Ainslie et al. 2023: K and V have ``kv_heads`` heads of h/a,
+so their projections and activations are 2 kv h/a wide, not 2h) and a feed-forward width
+``ffn`` (default 4h) with ``gated=True`` for a gated MLP (SwiGLU, Shazeer 2020: a gate and
+an up projection, h x ffn each, and a down projection). The split activations above are
+the queries, K and V, the projection's input and the MLP's: ``sb(h + 2 kv h/a + h +
+2 ffn)`` elements, 12sbh at the defaults (the GeLU's input and output, 2 ffn = 8h), and
+3 ffn for a gated MLP (the gate and up projections' outputs and the down projection's
+input, as Megatron-LM's fused SwiGLU keeps them).
+
 What the formula leaves out, measured on the book's GPT by the tests (SavedTensorBytes):
 LayerNorm's float32 mean and 1/std per token, the int64 token, position and target
 indices; and under ``torch.autocast`` with float32 master weights (not Megatron-LM's
@@ -81,7 +91,9 @@ __all__ = [
     "PRECISIONS",
     "RECOMPUTE",
     "activation_bytes",
+    "activation_parts",
     "gpt_memory",
+    "gpt_param_parts",
     "gpt_param_shapes",
     "optimizer_state_bytes",
     "resnet_activation_bytes",
@@ -100,7 +112,9 @@ class GPTShape:
     """A GPT and its micro-batch: ``layers`` blocks of width ``hidden`` with ``heads``
     heads, micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens, ``vocab``
     tokens, ``positions`` learned positions (the block size; default ``seq_len``), the
-    output layer ``tied`` to the token embedding or not."""
+    output layer ``tied`` to the token embedding or not; ``kv_heads`` key and value heads
+    (grouped-query attention; default ``heads``), an MLP ``ffn`` wide (default 4
+    ``hidden``), ``gated`` (SwiGLU) or not."""
 
     layers: int
     hidden: int
@@ -110,40 +124,73 @@ class GPTShape:
     vocab: int
     positions: int | None = None
     tied: bool = True
+    kv_heads: int | None = None
+    ffn: int | None = None
+    gated: bool = False
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "seq_len", "micro_batch", "vocab"):
             check_int(name, getattr(self, name), 1)
-        if self.positions is not None:
-            check_int("positions", self.positions, 1)
+        for name in ("positions", "kv_heads", "ffn"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
         check_bool("tied", self.tied)
+        check_bool("gated", self.gated)
         if self.hidden % self.heads:
             raise ValueError(
                 f"Invalid heads: {self.heads} (expected a divisor of hidden={self.hidden})"
             )
+        if self.heads % self.kv:
+            raise ValueError(
+                f"Invalid kv_heads: {self.kv_heads} (expected a divisor of heads={self.heads})"
+            )
+
+    @property
+    def kv(self) -> int:
+        """Key and value heads (``heads`` without grouped-query attention)."""
+        return self.kv_heads or self.heads
+
+    @property
+    def mlp(self) -> int:
+        """The MLP's width (4 ``hidden`` unless ``ffn`` says otherwise)."""
+        return self.ffn or 4 * self.hidden
 
 
-def gpt_param_shapes(shape: GPTShape, tp: int = 1) -> list[tuple[int, ...]]:
-    """The parameter shapes of the GPT held by one of ``tp`` tensor-parallel ranks.
+def gpt_param_parts(shape: GPTShape, tp: int = 1) -> dict[str, list[tuple[int, ...]]]:
+    """The parameter shapes of the GPT held by one of ``tp`` tensor-parallel ranks, by
+    part: ``"embedding"`` (tokens, by vocabulary; positions whole), one ``"block"``, and the
+    ``"head"`` (the final LayerNorm and, untied, the output layer).
 
-    Per block: LayerNorm (h, h), QKV (3h x h, 3h), projection (h x h, h), MLP (4h x h, 4h,
-    h x 4h, h), LayerNorm (h, h): 12h² + 13h. Megatron-LM's split (Shoeybi et al. 2019):
-    QKV and the first MLP layer by rows (with their biases), the projection and the second
-    MLP layer by columns, the token embedding by vocabulary; LayerNorms, the projection's
-    and second MLP layer's biases and the positions whole on every rank.
+    A block: LayerNorm (h, h), QKV ((h + 2 kv h/a) x h and its bias), projection (h x h, h),
+    MLP (ffn x h, ffn, h x ffn, h; a gated MLP's first layer is 2 ffn x h, the gate and the
+    up projection), LayerNorm (h, h): 12h² + 13h at the defaults. Megatron-LM's split
+    (Shoeybi et al. 2019): QKV and the first MLP layer by rows (with their biases), the
+    projection and the second MLP layer by columns, the token embedding by vocabulary;
+    LayerNorms, the projection's and second MLP layer's biases and the positions whole on
+    every rank.
     """
     if not isinstance(shape, GPTShape):
         raise TypeError(f"Invalid shape: a {type(shape).__name__} (expected a GPTShape)")
     h, t, v = shape.hidden, check_int("tp", tp, 1), shape.vocab
-    if h % t or v % t:
-        raise ValueError(f"Invalid tp: {tp} (expected a divisor of hidden and vocab)")
-    block = [(h,), (h,), (3 * h // t, h), (3 * h // t,), (h, h // t), (h,)]
-    block += [(h,), (h,), (4 * h // t, h), (4 * h // t,), (h, 4 * h // t), (h,)]
+    qkv = h + 2 * shape.kv * (h // shape.heads)
+    up = (2 if shape.gated else 1) * shape.mlp
+    if h % t or v % t or qkv % t or shape.mlp % t:
+        raise ValueError(
+            f"Invalid tp: {tp} (expected a divisor of hidden, vocab, the QKV width {qkv} and "
+            f"the MLP width {shape.mlp})"
+        )
+    block = [(h,), (h,), (qkv // t, h), (qkv // t,), (h, h // t), (h,)]
+    block += [(h,), (h,), (up // t, h), (up // t,), (h, shape.mlp // t), (h,)]
     positions = shape.positions or shape.seq_len
-    shapes = [(v // t, h), (positions, h)] + block * shape.layers + [(h,), (h,)]
-    if not shape.tied:
-        shapes.append((v // t, h))
-    return shapes
+    head = [(h,), (h,)] + ([] if shape.tied else [(v // t, h)])
+    return {"embedding": [(v // t, h), (positions, h)], "block": block, "head": head}
+
+
+def gpt_param_shapes(shape: GPTShape, tp: int = 1) -> list[tuple[int, ...]]:
+    """The parameter shapes of the GPT held by one of ``tp`` tensor-parallel ranks: the
+    embeddings, ``layers`` blocks and the head of :func:`gpt_param_parts`, in order."""
+    parts = gpt_param_parts(shape, tp)
+    return parts["embedding"] + parts["block"] * shape.layers + parts["head"]
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -171,6 +218,52 @@ def optimizer_state_bytes(shapes: list[tuple[int, ...]], optimizer: str, precisi
     )
 
 
+def activation_parts(
+    shape: GPTShape,
+    precision: str = "bf16",
+    recompute: str = "none",
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    dropout: bool = True,
+    attention: str = "materialized",
+) -> dict[str, float]:
+    """Bytes of activations kept for the backward pass on one rank, by part: each
+    ``"layer"``, the ``"embedding"`` (its dropout mask) and the ``"output"`` (the final
+    LayerNorm's and the output layer's inputs, the float32 logits); see the module's text.
+    A pipeline stage holds some of them (:mod:`lsdl_lab.plan`)."""
+    if not isinstance(shape, GPTShape):
+        raise TypeError(f"Invalid shape: a {type(shape).__name__} (expected a GPTShape)")
+    a, s, b, h, v = shape.heads, shape.seq_len, shape.micro_batch, shape.hidden, shape.vocab
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("recompute", recompute, RECOMPUTE)
+    check_choice("attention", attention, ATTENTIONS)
+    t = check_int("tp", tp, 1)
+    sp = t if check_bool("sequence_parallel", sequence_parallel) else 1
+    m = 1 if check_bool("dropout", dropout) else 0
+    p = 4 if precision == "fp32" else 2
+    sbh = s * b * h
+    whole = sbh * (4 * p + 2 * m) / sp
+    # queries, keys and values, the projection's input, the MLP's (12 sbh at the defaults)
+    width = 2 * h + 2 * shape.kv * (h // a) + (3 if shape.gated else 2) * shape.mlp
+    split = s * b * width * p / t
+    if attention == "materialized":
+        scores = a * s * s * b * (2 * p + m) / t
+    else:
+        scores = 4 * a * s * b / t  # the float32 log-sum-exp of each query and head
+    if recompute == "none":
+        per_layer = whole + split + scores
+    elif recompute == "selective":
+        per_layer = whole + split
+    else:
+        per_layer = p * sbh / sp
+    return {
+        "layer": per_layer,
+        "embedding": sbh * m / sp,
+        "output": 2 * p * sbh / sp + 4 * s * b * v / t,
+    }
+
+
 def activation_bytes(
     shape: GPTShape,
     precision: str = "bf16",
@@ -183,34 +276,18 @@ def activation_bytes(
 ) -> float:
     """Bytes of activations kept for the backward pass on one rank (Korthikanti et al.
     2022, eqs. 2-6 and Section 4.3, generalized to p bytes per activation: p = 2 in mixed
-    precision, 4 in float32; see the module's text)."""
-    if not isinstance(shape, GPTShape):
-        raise TypeError(f"Invalid shape: a {type(shape).__name__} (expected a GPTShape)")
-    L, a, s, b, h, v = (
-        shape.layers, shape.heads, shape.seq_len, shape.micro_batch, shape.hidden, shape.vocab
-    )  # fmt: skip
-    check_choice("precision", precision, PRECISIONS)
-    check_choice("recompute", recompute, RECOMPUTE)
-    check_choice("attention", attention, ATTENTIONS)
-    t = check_int("tp", tp, 1)
-    sp = t if check_bool("sequence_parallel", sequence_parallel) else 1
-    m = 1 if check_bool("dropout", dropout) else 0
-    p = 4 if precision == "fp32" else 2
-    sbh = s * b * h
-    whole = sbh * (4 * p + 2 * m) / sp
-    split = sbh * 12 * p / t
-    if attention == "materialized":
-        scores = a * s * s * b * (2 * p + m) / t
-    else:
-        scores = 4 * a * s * b / t  # the float32 log-sum-exp of each query and head
-    if recompute == "none":
-        per_layer = whole + split + scores
-    elif recompute == "selective":
-        per_layer = whole + split
-    else:
-        per_layer = p * sbh / sp
-    outside = sbh * m / sp + 2 * p * sbh / sp + 4 * s * b * v / t
-    return L * per_layer + outside
+    precision, 4 in float32; see the module's text): ``layers`` times each layer's, and
+    the terms outside the layers, of :func:`activation_parts`."""
+    parts = activation_parts(
+        shape,
+        precision,
+        recompute,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        dropout=dropout,
+        attention=attention,
+    )
+    return shape.layers * parts["layer"] + parts["embedding"] + parts["output"]
 
 
 def gpt_memory(

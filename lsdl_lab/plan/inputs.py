@@ -6,9 +6,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .._util import check_choice, check_fraction, check_int, check_nonnegative, check_positive
+from .._util import (
+    check_bool,
+    check_choice,
+    check_fraction,
+    check_int,
+    check_nonnegative,
+    check_positive,
+)
 from ..distributed.cost import AlphaBeta
-from ..memory.calculator import PRECISIONS, RECOMPUTE, GPTShape, gpt_param_shapes
+from ..memory.calculator import (
+    ATTENTIONS,
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTE,
+    GPTShape,
+    gpt_param_shapes,
+)
 from ..memory.zero import ZERO_STAGES
 
 __all__ = ["Cluster", "ModelShape", "Techniques"]
@@ -18,7 +32,9 @@ __all__ = ["Cluster", "ModelShape", "Techniques"]
 class ModelShape:
     """The shape of a GPT to train (that of :class:`~lsdl_lab.memory.calculator.GPTShape`,
     without its micro-batch, which the planner chooses) and its ``global_batch`` in
-    sequences per step: what the planner needs to know of a model, not the model."""
+    sequences per step: what the planner needs to know of a model, not the model.
+    ``kv_heads`` (grouped-query attention), ``ffn`` and ``gated`` (a SwiGLU MLP ``ffn``
+    wide) describe Llama-style blocks; the defaults are GPT-2's."""
 
     layers: int
     hidden: int
@@ -27,6 +43,9 @@ class ModelShape:
     vocab: int
     global_batch: int
     tied: bool = True
+    kv_heads: int | None = None
+    ffn: int | None = None
+    gated: bool = False
 
     def __post_init__(self):
         check_int("global_batch", self.global_batch, 1)
@@ -41,25 +60,23 @@ class ModelShape:
             raise ValueError(
                 f"Invalid shape: positions={shape.positions} (expected None or seq_len)"
             )
-        fields = ("layers", "hidden", "heads", "seq_len", "vocab", "tied")
-        return cls(**{f: getattr(shape, f) for f in fields}, global_batch=global_batch)
+        return cls(**{f: getattr(shape, f) for f in _SHAPE_FIELDS}, global_batch=global_batch)
 
     def shape(self, micro_batch: int, layers: int | None = None) -> GPTShape:
         """The calculator's shape of ``layers`` blocks (default all) at ``micro_batch``."""
-        return GPTShape(
-            layers=self.layers if layers is None else layers,
-            hidden=self.hidden,
-            heads=self.heads,
-            seq_len=self.seq_len,
-            micro_batch=micro_batch,
-            vocab=self.vocab,
-            tied=self.tied,
-        )
+        fields = {f: getattr(self, f) for f in _SHAPE_FIELDS}
+        fields["layers"] = self.layers if layers is None else layers
+        return GPTShape(micro_batch=micro_batch, **fields)
 
     @property
     def params(self) -> int:
-        """Parameters (12 h^2 + 13 h per block, embeddings, final LayerNorm)."""
+        """Parameters (12 h^2 + 13 h per block at the defaults, embeddings, final
+        LayerNorm)."""
         return sum(math.prod(s) for s in gpt_param_shapes(self.shape(1)))
+
+
+_SHAPE_FIELDS = ("layers", "hidden", "heads", "seq_len", "vocab", "tied", "kv_heads", "ffn",
+                 "gated")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,11 @@ class Cluster:
     peak_flops: float
     efficiency: float = 0.5
     reserve: float = 0.1
+
+    @property
+    def usable(self) -> float:
+        """Bytes of a device the planner may fill: ``memory`` less the ``reserve``."""
+        return self.memory * (1 - self.reserve)
 
     def __post_init__(self):
         check_int("devices", self.devices, 1)
@@ -108,9 +130,31 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Techniques:
-    """What the planner may use: tensor- and pipeline-parallel degrees (``None``: any
-    divisor), data-parallel degrees (``None``: any), ZeRO stages, recomputation policies,
-    micro-batch sizes, and the precision and optimizer of the memory calculator."""
+    """What the planner may use, and what the training framework does.
+
+    Choices searched: tensor- and pipeline-parallel degrees (``None``: any divisor),
+    data-parallel degrees (``None``: any), ZeRO stages, recomputation policies, micro-batch
+    sizes, and ``virtual_stages``, the model chunks per device of the interleaved 1F1B
+    schedule (1: plain 1F1B; Narayanan et al. 2021, Section 2.2.2).
+
+    What the framework does (one value each, as the run to plan has it): the ``precision``
+    and ``optimizer`` of the memory calculator; ``attention`` (``"materialized"`` s x s
+    scores, or ``"fused"``: FlashAttention, none kept), ``dropout`` (its masks kept or
+    not), ``sequence_parallel`` (Korthikanti et al. 2022: with ``tp > 1`` the activations
+    outside the tensor-parallel regions are split too); ``embedding_slots``: the pipeline's
+    partition counts the embedding and the output layer as one block each (BLOOM's
+    ``type:transformer|embedding``; Llama 3 takes a block from the first and the last
+    stage); ``grad_bytes``: bytes kept per parameter for its gradient (default the
+    16-bit or float32 width of ``precision``; 4 where the framework accumulates float32
+    gradients, as Megatron-LM does with bf16 and Llama 3 did; 6 for DeepSpeed's
+    BF16_Optimizer, which keeps the bf16 gradient and an unsharded float32 buffer);
+    ``reduce_bytes``: bytes per gradient element of the data-parallel reduction (default
+    the width of ``precision``; 4 for a float32 reduction, as under ``torch.autocast`` over
+    float32 weights or Llama 3's float32 reduce-scatter); ``overlap``: whether the
+    data-parallel collectives run under the passes (DDP's buckets, FSDP's prefetch and
+    reduce-scatter; Li et al. 2020) or after them (Megatron-LM 2021, DeepSpeed's pipeline
+    engine).
+    """
 
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
@@ -118,8 +162,16 @@ class Techniques:
     zero_stages: tuple[int, ...] = ZERO_STAGES
     recompute: tuple[str, ...] = RECOMPUTE
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    virtual_stages: tuple[int, ...] = (1,)
     precision: str = "bf16"
     optimizer: str = "adam"
+    attention: str = "materialized"
+    dropout: bool = True
+    sequence_parallel: bool = False
+    embedding_slots: bool = False
+    grad_bytes: float | None = None
+    reduce_bytes: int | None = None
+    overlap: bool = False
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
@@ -131,7 +183,40 @@ class Techniques:
             check_choice("recompute", r, RECOMPUTE)
         for b in self.micro_batches:
             check_int("micro_batches", b, 1)
+        for v in self.virtual_stages:
+            check_int("virtual_stages", v, 1)
         check_choice("precision", self.precision, PRECISIONS)
-        for name in ("zero_stages", "recompute", "micro_batches"):
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("attention", self.attention, ATTENTIONS)
+        for name in ("dropout", "sequence_parallel", "embedding_slots", "overlap"):
+            check_bool(name, getattr(self, name))
+        if self.grad_bytes is not None:
+            check_positive("grad_bytes", self.grad_bytes)
+        if self.reduce_bytes is not None:
+            check_choice("reduce_bytes", self.reduce_bytes, (2, 4))
+        for name in ("zero_stages", "recompute", "micro_batches", "virtual_stages"):
             if not getattr(self, name):
                 raise ValueError(f"Invalid {name}: empty (expected at least one choice)")
+
+    @property
+    def width(self) -> int:
+        """Bytes of a weight or an activation: 4 in float32, else 2."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def gradient_bytes(self) -> float:
+        """Bytes kept per parameter for its gradient (``grad_bytes`` or the width)."""
+        return self.grad_bytes or self.width
+
+    @property
+    def reduction_bytes(self) -> int:
+        """Bytes per element of the gradients' reduction (``reduce_bytes`` or the width)."""
+        return self.reduce_bytes or self.width
+
+    def activation_options(self) -> dict:
+        """The options of :func:`~lsdl_lab.memory.calculator.activation_bytes` it sets."""
+        return dict(
+            sequence_parallel=self.sequence_parallel,
+            dropout=self.dropout,
+            attention=self.attention,
+        )
