@@ -72,7 +72,9 @@ def calculator_form(shape: GPTShape | None = None, dp: int = 8):
     size) shows its error in place of the table."""
     import ipywidgets as widgets
 
-    shape = shape or GPTShape(24, 2048, 16, 2048, 1, 51200)  # GPT-3 XL, 1.3B parameters
+    # GPT-3 XL, 1.3B parameters (16 heads of 128: Brown et al.'s Table 2.1 says 24 of 128,
+    # which does not make its width 2048)
+    shape = shape or GPTShape(24, 2048, 16, 2048, 1, 51200)
     style = {"description_width": "120px"}
 
     def box(name, value, low=1):
