@@ -10,12 +10,14 @@ lists, dicts), the same on every rank unless it says otherwise::
     result = spawn(collective_times, 2, [4_000, 400_000, 4_000_000])[0]
 
 * :func:`collective_times`: the hand-built ring and tree all-reduce against
-  ``dist.all_reduce`` over sizes, with the alpha-beta model fitted to each;
+  ``dist.all_reduce`` over sizes, with the alpha-beta model fitted to each and the bytes
+  the busiest rank sends counted;
 * :func:`compression_run`: the book's ResNet (or any classifier of the 8x8 digits) trained
   under DDP with each compressor's hook: bytes handed to the collectives, test accuracy,
   encode/decode time;
-* :func:`local_sgd_run`: local SGD at several averaging periods, and the overlap of
-  communication with the backward pass at two bucket sizes;
+* :func:`local_sgd_run`: local SGD at several averaging periods;
+* :func:`overlap_run`: the overlap of the gradients' all-reduce with the backward pass, on
+  a model many DDP buckets long, at several bucket sizes, with the buckets counted;
 * :func:`model_parallel_run`: a tensor-parallel transformer block against the dense one,
   and a pipeline's measured bubble against (p - 1)/(m + p - 1).
 
@@ -33,6 +35,7 @@ and evaluation sets that these workers pick are capped here; nothing changes out
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import time
 import warnings
@@ -69,7 +72,7 @@ from ..distributed.cost import (
 )
 from ..distributed.local_sgd import PeriodicAverager, average_parameters, overlap_times
 from ..distributed.param_server import asynchronous_sgd, synchronous_sgd
-from ..distributed.traffic import CollectiveBytes
+from ..distributed.traffic import CollectiveBytes, SentMessages
 from ..parallel import TensorParallelBlock, bubble_fraction, pipeline_step
 from ..profiles import capped_examples, capped_steps
 from ..steps import accumulate
@@ -79,9 +82,11 @@ __all__ = [
     "COMPRESSORS",
     "collective_times",
     "compression_run",
+    "deep_mlp",
     "digits_mlp",
     "digits_resnet",
     "local_sgd_run",
+    "overlap_run",
     "least_squares_gradient",
     "least_squares_loss",
     "model_parallel_run",
@@ -90,27 +95,40 @@ __all__ = [
 
 
 def collective_times(rank, world_size, nbytes: Sequence[int], repeats: int = 5) -> dict:
-    """Seconds per all-reduce of float32 tensors of each of ``nbytes`` bytes (the minimum
-    over ``repeats``, see :func:`~lsdl_lab.distributed.measure_collective`) for the ring, the
-    tree and ``dist.all_reduce``, and the (alpha, beta) fitted to the ring's and the
-    tree's times with their own models."""
+    """Seconds per all-reduce of float32 tensors of each of ``nbytes`` bytes for the ring,
+    the tree and ``dist.all_reduce``: the minimum over ``repeats`` rounds, in each of which
+    every algorithm is timed once at every size
+    (:func:`~lsdl_lab.distributed.measure_collective`, the slowest rank's time), so that a
+    burst of load from another process hits the three alike. Also the (alpha, beta) fitted
+    to the ring's and the tree's times with their own models, and ``"sent"``, the bytes the
+    busiest rank sends in one ring and one tree all-reduce of each size, counted message by
+    message (:class:`~lsdl_lab.distributed.traffic.SentMessages`; gloo's own all-reduce sends
+    from C++, where nothing counts it)."""
     repeats = capped_steps(repeats)  # the identity, except in a dry run (lsdl_lab.profiles)
-    times = {
-        name: measure_collective(fn, nbytes, repeats, statistic="min")
-        for name, fn in (
-            ("ring", ring_all_reduce),
-            ("tree", tree_all_reduce),
-            ("built-in", dist.all_reduce),
-        )
-    }
+    algorithms = {"ring": ring_all_reduce, "tree": tree_all_reduce}
+    timed = {**algorithms, "built-in": dist.all_reduce}
+    rounds = [
+        {name: measure_collective(fn, nbytes, 1) for name, fn in timed.items()}
+        for _ in range(repeats)
+    ]
+    times = {name: [min(r[name][j] for r in rounds) for j in range(len(nbytes))] for name in timed}
     fits = {
         "ring": fit_alpha_beta(ring_all_reduce_time, world_size, nbytes, times["ring"]),
         "tree": fit_alpha_beta(tree_all_reduce_time, world_size, nbytes, times["tree"]),
     }
+    sent = torch.zeros(len(algorithms), len(nbytes), dtype=torch.float64)
+    for i, fn in enumerate(algorithms.values()):
+        for j, n in enumerate(nbytes):
+            with SentMessages() as messages:
+                fn(torch.ones(n // 4))
+            sent[i, j] = messages.bytes
+    dist.all_reduce(sent, op=dist.ReduceOp.MAX)  # the busiest rank's
     return {
+        "world_size": world_size,
         "nbytes": list(nbytes),
         "seconds": times,
         "fit": {k: (f.alpha, f.beta) for k, f in fits.items()},
+        "sent": {name: [int(b) for b in row] for name, row in zip(algorithms, sent.tolist())},
     }
 
 
@@ -399,20 +417,19 @@ def local_sgd_run(
     warmup_steps: int = 0,
     make_model: Callable[[], nn.Module] = digits_mlp,
     seed: int = 0,
-    overlap_repeats: int = 5,
 ) -> dict:
     """Local SGD on the digits at each averaging period H (:class:`PeriodicAverager`, plain
-    SGD, ``batch`` examples per step over all ranks, the same examples for every H), and
-    the overlap of the gradient all-reduce with the backward pass
-    (:func:`~lsdl_lab.distributed.local_sgd.overlap_times` on a batch of the same model).
+    SGD, ``batch`` examples per step over all ranks, the same examples for every H).
 
-    Returns ``{"periods": {H: {"accuracy", "rounds", "bytes", "seconds"}}, "overlap":
-    {...}}``; ``bytes`` is what this rank handed to all-reduces (parameters or gradients
-    in float32) while training, by :class:`~lsdl_lab.distributed.CollectiveBytes`."""
+    Returns ``{"periods": {H: {"accuracy", "rounds", "bytes", "seconds"}}}``. ``rounds``
+    counts every all-reduce: one per synchronous warm-up step, one per period, and the
+    last average when the steps do not end a period (the models are averaged once more
+    to evaluate one model): ceil((steps - warmup) / H) after the warm-up. ``bytes`` is what
+    this rank handed to those all-reduces (parameters or gradients in float32), by
+    :class:`~lsdl_lab.distributed.CollectiveBytes`."""
     # the identity, except in a dry run (lsdl_lab.profiles), where fit runs as many steps:
     # the last average below depends on how many ran
     steps, batch = capped_steps(steps), capped_examples(batch)
-    overlap_repeats = capped_steps(overlap_repeats)
     x, y, test_x, test_y = _digits(seed)
     out = {}
     for period in periods:
@@ -431,22 +448,81 @@ def local_sgd_run(
                 progress=False,
                 grad_norm=False,
             )
-        if (steps - warmup_steps) % period:  # evaluate one model: average a last time
-            average_parameters(model.parameters())
+            last = (steps - warmup_steps) % period != 0  # evaluate one model: average it
+            if last:
+                average_parameters(model.parameters())
         out[period] = {
             "accuracy": _accuracy(model, test_x, test_y),
-            "rounds": averager.rounds,
+            "rounds": averager.rounds + last,
             "bytes": sent.bytes,
             "seconds": time.perf_counter() - start,
         }
-    xb, yb = _shard(x, y, 0, batch, rank, world_size)
+    return {"periods": out}
+
+
+def deep_mlp(width: int = 256, layers: int = 32) -> nn.Module:
+    """The model of :func:`overlap_run`: an MLP on the 8x8 digits with ``layers`` hidden
+    layers of ``width`` after the first (32 of 256: 8.5 MB of float32 gradients, 257 KiB a
+    layer, so that DDP's buckets of a few hundred KiB hold one layer each)."""
+    return models.MLP(64, 10, hidden=width, depth=layers + 1)
+
+
+def _bucket_count(make_model: Callable[[], nn.Module], x, y, cap_mb: float) -> int:
+    """How many buckets DDP makes of ``make_model()``'s gradients at ``bucket_cap_mb``: the
+    all-reduces that a counting communication hook sees in one step, after the step on
+    which DDP rebuilds its buckets."""
+    ddp = DistributedDataParallel(make_model(), bucket_cap_mb=cap_mb)
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting_hook)
+    for _ in range(2):
+        calls.clear()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    return len(calls)
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on (all of the machine's where the platform
+    cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def overlap_run(
+    rank,
+    world_size,
+    bucket_caps_mb: Sequence[float] = (0.25, 1.0, 4.0, 25.0),
+    make_model: Callable[[], nn.Module] = deep_mlp,
+    rows: int = 16,
+    repeats: int = 15,
+    seed: int = 0,
+) -> dict:
+    """The overlap of the gradients' all-reduce with the backward pass
+    (:func:`~lsdl_lab.distributed.local_sgd.overlap_times`) on ``make_model()`` (by default
+    :func:`deep_mlp`, many buckets long) with ``rows`` digits per rank, at each bucket cap
+    (MiB): ``{"seconds": {config: median seconds, the slowest rank's}, "buckets": {cap:
+    buckets DDP made}, "gradient_bytes": the float32 gradient's size, "cores": the CPU
+    cores this rank may run on}``."""
+    repeats = capped_steps(repeats)  # the identity, except in a dry run (lsdl_lab.profiles)
+    rows = capped_examples(rows)
+    x, y, _, _ = _digits(seed)
+    xb, yb = _shard(x, y, 0, rows * world_size, rank, world_size)
 
     def make():
         torch.manual_seed(seed)
         return make_model()
 
-    overlap = overlap_times(make, xb, yb, nn.functional.cross_entropy, repeats=overlap_repeats)
-    return {"periods": out, "overlap": overlap}
+    buckets = {cap: _bucket_count(make, xb, yb, cap) for cap in bucket_caps_mb}
+    seconds = overlap_times(make, xb, yb, nn.functional.cross_entropy, bucket_caps_mb, repeats)
+    return {
+        "seconds": seconds,
+        "buckets": buckets,
+        "gradient_bytes": 4 * sum(p.numel() for p in make().parameters()),
+        "cores": _cores(),
+    }
 
 
 class _Stage(nn.Module):

@@ -10,7 +10,8 @@ counterpart, and must be called by every rank of the group:
 * :func:`tree_all_reduce`: recursive doubling (Thakur, Rabenseifner & Gropp 2005): in
   log2 p steps, ranks at distance 1, 2, 4, ... swap their whole vectors and add. Cost
   log2(p) (alpha + n beta): fewer steps, so better for small messages, but every step
-  moves all n bytes.
+  moves all n bytes. (Despite the name, not a tree: every rank forms the sum itself; a
+  binary tree reduces to a root and broadcasts back.)
 * :func:`ring_reduce_scatter` and :func:`ring_all_gather`: the two halves of the ring,
   with the signatures of ``dist.reduce_scatter`` and ``dist.all_gather``.
 * :func:`naive_ring_all_reduce_blocking`: what goes wrong with blocking ``send`` then
@@ -138,8 +139,9 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     The flat tensor is cut into p chunks (as equal as can be; some are empty when it holds
     fewer than p entries). A reduce-scatter leaves on rank r the sum of chunk r; an
     all-gather then copies every summed chunk to every rank (Patarasuk & Yuan 2009). Each
-    rank sends 2(p-1) messages of n/p entries: 2(p-1)/p n in all, which is within a factor
-    (p-1)/p of the least any all-reduce must send, whatever p. On gloo the all-gather's
+    rank sends 2(p-1) messages of n/p entries: 2(p-1)/p n in all, the least that the
+    busiest rank of any all-reduce must send (Patarasuk & Yuan's lower bound), whatever p.
+    On gloo the all-gather's
     receives are posted first (:func:`_post_all_gather`); NCCL, which has no tags and needs
     each send paired with its receive in one batch, runs the two phases one after the other.
     """

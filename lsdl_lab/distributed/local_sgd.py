@@ -16,7 +16,7 @@ for fewer or cheaper rounds:
 * :func:`overlap_times`: DDP cuts the gradients into buckets and all-reduces each as
   soon as the backward pass has filled it, while the gradients of earlier layers are
   still being computed (Li et al. 2020, PyTorch Distributed). Measured against the same
-  backward followed by one all-reduce of everything.
+  backward followed by one all-reduce of everything, and against the backward alone.
 """
 
 from __future__ import annotations
@@ -163,35 +163,44 @@ def overlap_times(
     bucket_caps_mb: Sequence[float] = (0.25, 25.0),
     repeats: int = 7,
 ) -> dict[str, float]:
-    """Seconds per forward-backward with the gradient all-reduced, median over
-    ``repeats`` (after one warm-up call), the slowest rank's:
+    """Seconds per forward-backward, median over ``repeats`` (after two warm-up calls),
+    the slowest rank's:
 
+    * ``"no all-reduce"``: the model alone, no communication: the computation the
+      all-reduce could hide behind;
     * ``"after backward"``: the backward under ``no_sync()``, then one all-reduce of all
       the gradients: no overlap;
-    * ``"bucket <cap> MB"``: DDP with that ``bucket_cap_mb``: each bucket's all-reduce
-      starts as soon as the backward has filled it and runs beside the rest of the
-      backward.
+    * ``"bucket <cap> MB"``: DDP with that ``bucket_cap_mb`` (MiB, as DDP counts): each
+      bucket's all-reduce starts as soon as the backward has filled it and runs beside the
+      rest of the backward.
 
-    Small buckets overlap more but pay the latency alpha once per bucket; one huge
-    bucket cannot start before the backward ends. Every rank must call it. With ``x`` on
-    a GPU each call is timed to a synchronization (CUDA work returns before it is done).
+    Small buckets overlap more but pay the latency alpha once per bucket; one bucket holding
+    every gradient cannot start before the backward ends. A parameter is never split, so a
+    model whose gradients fit in one cap is one bucket whatever the cap: measure on a model
+    of many buckets. The configurations take turns within each repeat, so a burst of load
+    from another process hits them alike. Every rank must call it. With ``x`` on a GPU each
+    call is timed to a synchronization (CUDA work returns before it is done).
     """
     repeats = check_int("repeats", repeats, 1)
     for cap in bucket_caps_mb:
         check_positive("bucket_caps_mb", cap)
-    configs = [("after backward", 25.0)] + [(f"bucket {c:g} MB", c) for c in bucket_caps_mb]
+    configs = [("no all-reduce", None), ("after backward", 25.0)]
+    configs += [(f"bucket {c:g} MB", c) for c in bucket_caps_mb]
     times = torch.empty(repeats, len(configs), dtype=torch.float64)
-    ddps = [DistributedDataParallel(make_model(), bucket_cap_mb=cap) for _, cap in configs]
+    models = [
+        make_model() if cap is None else DistributedDataParallel(make_model(), bucket_cap_mb=cap)
+        for _, cap in configs
+    ]
 
     def run(j: int) -> None:
-        ddp = ddps[j]
-        ddp.zero_grad(set_to_none=False)
-        if j == 0:
-            with ddp.no_sync():
-                loss_fn(ddp(x), y).backward()
-            all_reduce_gradients(ddp.parameters())
+        model = models[j]
+        model.zero_grad(set_to_none=False)
+        if j == 1:
+            with model.no_sync():
+                loss_fn(model(x), y).backward()
+            all_reduce_gradients(model.parameters())
         else:
-            loss_fn(ddp(x), y).backward()
+            loss_fn(model(x), y).backward()
 
     for j in range(len(configs)):
         run(j)  # DDP rebuilds its buckets after the first step

@@ -1,4 +1,5 @@
-r"""The one count of the bytes a rank hands to collectives: :class:`CollectiveBytes`.
+r"""The one count of the bytes a rank hands to collectives, :class:`CollectiveBytes`, and
+its counterpart for point-to-point messages, :class:`SentMessages`.
 
 Every measurement of communication in the book goes through it: the entry point's
 records (:mod:`lsdl_lab.run`, every parallel mode), the bytes per step of each gradient
@@ -45,6 +46,11 @@ name of its own before the block opened (``from torch.distributed import all_red
 Where torch 2.13 has both names of a flat collective, both are counted: the deprecated one
 calls the new one inside torch, past the wrapper, so a call counts once either way.
 
+:class:`SentMessages` counts, the same way, the point-to-point messages a rank sends
+(``send``, ``isend``, and the ``isend`` operations handed to ``batch_isend_irecv``): the
+messages of the collectives Chapter 7 builds by hand, and of a student's ring, whose
+checker it can also forbid the built-in collectives.
+
 **Blocks.** Bytes accumulate over every block of a counter (a run opens its counter
 around each step and reads the total). Blocks of *different* counters may nest or
 overlap: a call is counted by every counter whose block is open. A counter whose block
@@ -59,9 +65,16 @@ import functools
 import threading
 import warnings
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["COUNTED", "CollectiveBytes"]
+__all__ = [
+    "BUILT_IN_COLLECTIVES",
+    "COUNTED",
+    "BuiltInCollective",
+    "CollectiveBytes",
+    "SentMessages",
+]
 
 # collective -> (position, keyword) of the tensor this rank hands to it; the flat forms
 # under each name this torch has (see the module's docstring)
@@ -136,3 +149,121 @@ class CollectiveBytes(contextlib.AbstractContextManager):
         with self, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             yield
+
+
+# -- point-to-point messages ------------------------------------------------------------
+
+# torch.distributed's collectives (those this torch has): inside a SentMessages block with
+# forbid=True each raises BuiltInCollective
+BUILT_IN_COLLECTIVES = tuple(
+    name
+    for name in (
+        "all_reduce",
+        "all_reduce_coalesced",
+        "reduce",
+        "broadcast",
+        "all_gather",
+        "all_gather_coalesced",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "gather",
+        "scatter",
+        "all_gather_object",
+        "broadcast_object_list",
+        "gather_object",
+        "scatter_object_list",
+    )
+    if hasattr(dist, name)
+)
+# torch's own point-to-point functions and P2POp, as imported (SentMessages rebinds the
+# module's attributes inside its block; P2POp accepts only torch's own isend and irecv)
+_SEND, _ISEND, _P2POP = dist.send, dist.isend, dist.P2POp
+
+
+class BuiltInCollective(RuntimeError):
+    """A built-in collective was called inside a block that forbids them."""
+
+
+def _torch_function(op):
+    """torch's own function for ``op``, which may be a counting wrapper of this module."""
+    return getattr(op, "_lsdl_torchs", op)
+
+
+class _CountedP2POp(_P2POP):
+    """``dist.P2POp`` inside a :class:`SentMessages` block: a P2POp built on the counting
+    ``dist.isend`` is built on torch's own (which P2POp requires)."""
+
+    def __new__(cls, op, tensor, *args, **kwargs):
+        return super().__new__(cls, _torch_function(op), tensor, *args, **kwargs)
+
+    def __init__(self, op, tensor, *args, **kwargs):
+        super().__init__(_torch_function(op), tensor, *args, **kwargs)
+
+
+class SentMessages(contextlib.AbstractContextManager):
+    """The point-to-point messages this rank sends inside the ``with`` block: ``numels``
+    holds the entries of each, in order, and :attr:`bytes` their total size. Counted:
+    ``dist.send``, ``dist.isend`` and every ``dist.P2POp`` of ``isend`` handed to
+    ``dist.batch_isend_irecv``, called through ``torch.distributed``'s attributes (as
+    :class:`~lsdl_lab.distributed.CollectiveBytes` counts the collectives, which it does and
+    this does not). With ``forbid=True`` each of :data:`BUILT_IN_COLLECTIVES` raises
+    :class:`BuiltInCollective` inside the block. The block rebinds those attributes of
+    ``torch.distributed`` and restores them when it closes; blocks do not nest."""
+
+    def __init__(self, forbid: bool = False):
+        self.forbid = forbid
+        self.numels: list[int] = []
+        self.bytes = 0
+        self._saved: dict = {}
+
+    def _record(self, tensor: torch.Tensor) -> None:
+        self.numels.append(tensor.numel())
+        self.bytes += tensor.numel() * tensor.element_size()
+
+    def __enter__(self) -> SentMessages:
+        if self._saved or dist.P2POp is not _P2POP:
+            raise RuntimeError("a SentMessages block is already open (blocks do not nest)")
+        names = ("send", "isend", "batch_isend_irecv", "P2POp")
+        names += BUILT_IN_COLLECTIVES if self.forbid else ()
+        self._saved = {name: getattr(dist, name) for name in names}
+        batch = self._saved["batch_isend_irecv"]
+
+        def counting(fn):
+            @functools.wraps(fn)
+            def counted(tensor, *args, **kwargs):
+                self._record(tensor)
+                return fn(tensor, *args, **kwargs)
+
+            counted._lsdl_torchs = fn
+            return counted
+
+        @functools.wraps(batch)
+        def batch_counted(p2p_op_list):
+            for op in p2p_op_list:
+                if op.op is _ISEND:
+                    self._record(op.tensor)
+            return batch(p2p_op_list)
+
+        def forbidden(name):
+            def call(*args, **kwargs):
+                raise BuiltInCollective(
+                    f"dist.{name} is a built-in collective, not allowed here: build the "
+                    "all-reduce from point-to-point messages (dist.isend, dist.irecv, "
+                    "dist.P2POp with dist.batch_isend_irecv)"
+                )
+
+            return call
+
+        dist.send, dist.isend = counting(_SEND), counting(_ISEND)
+        dist.batch_isend_irecv, dist.P2POp = batch_counted, _CountedP2POp
+        for name in BUILT_IN_COLLECTIVES if self.forbid else ():
+            setattr(dist, name, forbidden(name))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved = {}

@@ -1,5 +1,6 @@
 """Checkers of Lab 7, communication: a ring all-reduce, an error-feedback step, a 1-bit
-compressor.
+compressor; and :class:`SentMessages`, the count of the point-to-point messages a rank
+sends, which the ring's checker and the book's measurement of the collectives share.
 
 The ring all-reduce is checked on a real world of processes. A spawned rank cannot import
 a function defined in a notebook (it would re-run the notebook, pytorch #20375), so the
@@ -7,9 +8,11 @@ checker sends the function's *source* (``inspect.getsource``) to the ranks, each
 runs it with ``exec`` in a namespace that holds ``torch``, ``dist`` and ``math``, and
 calls it on tensors of several sizes, some smaller than the world. The function must
 therefore be self-contained: one ``def`` using only those names. What runs on the ranks
-is exactly the student's code, on real ``isend``/``irecv`` messages, compared with
-``dist.all_reduce``; a ring that deadlocks ends by the group's timeout and is reported as
-such.
+is exactly the student's code, on real ``isend``/``irecv`` messages. Inside the call the
+built-in collectives raise (a ring that calls ``dist.all_reduce`` is not a ring), and every
+message the rank sends is counted: a ring sends 2(p - 1) messages of one chunk each, at
+most ceil(n / p) numbers. The result is compared with the sum, computed from the inputs;
+a ring that deadlocks ends by the group's timeout and is reported as such.
 
 The other two are checked in this process against the library (:mod:`lsdl_lab.compress`).
 """
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from ..check import CheckFailed, exercise
 from ..check.compare import difference
 from ..compress import ErrorFeedback, SignSGD, TopK, unpack_bits
+from ..distributed.traffic import BuiltInCollective, SentMessages
 from ..distributed.world import WorkerError, spawn
 
 RING_WORLD = 3  # a world of 2 hides chunk-index mistakes that 3 ranks expose
@@ -73,21 +77,30 @@ def ring_all_reduce(tensor, group=None):
     return tensor
 
 
+def ring_inputs(rank: int, world_size: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s float64 tensor of ``n`` entries, ``(rank + 1) * [1, 2, ..., n] +
+    rank``, and the sum of all ranks' tensors: ``p(p+1)/2 * [1, ..., n] + p(p-1)/2``, exact
+    (integers in float64), computed without a collective."""
+    ramp = torch.arange(1, n + 1, dtype=torch.float64)
+    p = world_size
+    return (rank + 1) * ramp + rank, p * (p + 1) // 2 * ramp + p * (p - 1) // 2
+
+
 def run_student_ring(rank, world_size, source: str, name: str, sizes) -> list[dict]:
-    """Worker: define the student's function from ``source`` and run it on float64
-    tensors of each size (rank r holds ``(r + 1) * [1, 2, ...] + r``), beside
-    ``dist.all_reduce``. For each size: the largest error, whether the result is the
-    input tensor changed in place, and the result itself."""
+    """Worker: define the student's function from ``source`` and run it on the float64
+    tensors of :func:`ring_inputs` of each size, the built-in collectives forbidden and
+    the messages it sends counted (:class:`SentMessages`). For each size: the largest
+    error against the sum, whether the result is the input tensor changed in place, the
+    result itself, and the entries of each message this rank sent."""
     namespace = {"torch": torch, "dist": dist, "math": math}
     exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102 -- the student's code
     fn = namespace[name]
     out = []
     for n in sizes:
-        x = (rank + 1) * torch.arange(1, n + 1, dtype=torch.float64) + rank
-        expected = x.clone()
-        dist.all_reduce(expected)
+        x, expected = ring_inputs(rank, world_size, n)
         before = x.clone()
-        returned = fn(x)
+        with SentMessages(forbid=True) as sent:
+            returned = fn(x)
         result = returned if isinstance(returned, torch.Tensor) else x
         out.append(
             {
@@ -96,9 +109,28 @@ def run_student_ring(rank, world_size, source: str, name: str, sizes) -> list[di
                 "in_place": not torch.equal(x, before) or n == 0,
                 "unchanged": torch.equal(result, before),
                 "result": result.clone(),
+                "sends": sent.numels,
             }
         )
     return out
+
+
+def _check_sends(name: str, rank: int, n: int, sends: list[int], p: int = RING_WORLD) -> None:
+    """A ring sends 2(p - 1) messages (p - 1 to reduce-scatter, p - 1 to all-gather), each
+    one chunk of at most ceil(n / p) entries: 2(p - 1)/p n in all (Patarasuk & Yuan 2009)."""
+    chunk = math.ceil(n / p)
+    if sends and max(sends) > chunk:
+        raise CheckFailed(
+            f"{name}: on rank {rank}, for a tensor of {n} entries one message carried "
+            f"{max(sends)} numbers; in a ring every message is one chunk, at most ceil({n} / "
+            f"{p}) = {chunk} numbers (a rank that sends its whole tensor is not a ring)"
+        )
+    if len(sends) > 2 * (p - 1):
+        raise CheckFailed(
+            f"{name}: on rank {rank}, for a tensor of {n} entries {len(sends)} messages were "
+            f"sent; a ring sends 2(p - 1) = {2 * (p - 1)} (p - 1 in the reduce-scatter, p - 1 "
+            "in the all-gather)"
+        )
 
 
 @exercise("lab07.ring_all_reduce")
@@ -109,13 +141,20 @@ def check_ring_all_reduce(student_fn) -> None:
         ranks = spawn(run_student_ring, RING_WORLD, source, name, RING_SIZES, timeout=RING_TIMEOUT)
     except WorkerError as err:
         last = err.traceback.strip().splitlines()[-1]
+        # the first rank to fail may only have lost its peer (a rank that timed out or
+        # raised first): what each rank's error says counts
+        lasts = [last, *err.others.values()]
         if "NotImplementedError" in err.traceback:
             raise NotImplementedError(
                 f"{name} is not implemented yet: replace the `raise NotImplementedError` "
                 "with your solution"
             ) from None
+        for line in lasts:
+            if BuiltInCollective.__name__ in line:
+                raise CheckFailed(f"{name}: {line.partition(': ')[2]}") from None
         hint = ""
-        if "Timed out" in err.traceback or "timeout" in last.lower():
+        timed_out = ("timed out" in line.lower() or "timeout" in line.lower() for line in lasts)
+        if "Timed out" in err.traceback or any(timed_out):
             hint = (
                 "\n  hint: the ranks waited for each other until the timeout: a blocking "
                 "send before a recv deadlocks in a ring; post the send and the receive "
@@ -141,7 +180,7 @@ def check_ring_all_reduce(student_fn) -> None:
                 small = " (fewer entries than ranks: some chunks are empty)" if n < 3 else ""
                 raise CheckFailed(
                     f"{name}: on rank {rank}, a tensor of {n} entries{small} is off by "
-                    f"{r['error']:.3g} from dist.all_reduce's sum"
+                    f"{r['error']:.3g} from the sum over the ranks"
                 )
             if not r["in_place"]:
                 raise CheckFailed(
@@ -153,9 +192,12 @@ def check_ring_all_reduce(student_fn) -> None:
                     f"{name}: ranks 0 and {rank} hold different bits for {n} entries; in a "
                     "ring each chunk's sum is computed once and copied, so they must agree"
                 )
+            _check_sends(name, rank, n, r["sends"])
     print(
-        f"✔ {name}: equals dist.all_reduce at world {RING_WORLD} for sizes "
-        f"{', '.join(map(str, RING_SIZES))}, identical on every rank"
+        f"✔ {name}: the sum at world {RING_WORLD} for sizes "
+        f"{', '.join(map(str, RING_SIZES))}, identical on every rank, from at most "
+        f"2(p - 1) = {2 * (RING_WORLD - 1)} messages of one chunk (ceil(n / p) numbers) "
+        "each, no built-in collective"
     )
 
 
@@ -266,5 +308,6 @@ __all__ = [
     "check_ring_all_reduce",
     "check_sign_compressor",
     "error_feedback_step",
+    "ring_inputs",
     "run_student_ring",
 ]

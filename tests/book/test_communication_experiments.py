@@ -1,6 +1,8 @@
-"""The chapter's and lab's experiments at toy sizes, in one world of 2: each returns what
-its docstring promises, with the effects that must hold at any size (bytes in their
-stated ratios, tensor parallelism equal to the dense block, staleness within its bound)."""
+"""The chapter's and lab's experiments at toy sizes, in one world of 2 (and the collectives
+in worlds of 3 and 4): each returns what its docstring promises, with the effects that must
+hold at any size (bytes in their stated ratios, the collectives' bytes the formulas', every
+local-SGD round counted, tensor parallelism equal to the dense block, staleness within its
+bound, a model many buckets long)."""
 
 import functools
 
@@ -15,6 +17,8 @@ SMALL = functools.partial(E.digits_mlp, 16)
 # width 8: narrower ResNets crash torch 2.13's oneDNN convolution on the digits (heap
 # corruption at widths 2-4, measured; fine with torch.backends.mkldnn.enabled = False)
 TINY_RESNET = functools.partial(E.digits_resnet, 8, 8)
+# 5 hidden layers of 64 after the first: 16.6 KiB a layer, a bucket each at a 0.01 MiB cap
+DEEP = functools.partial(E.deep_mlp, 64, 4)
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +26,7 @@ def results():
     runs = [
         functools.partial(E.collective_times, nbytes=[4_000, 400_000], repeats=1),
         functools.partial(E.compression_run, names=NAMES, steps=6, make_model=SMALL, start_iter=2),
-        functools.partial(
-            E.local_sgd_run, periods=(1, 4), steps=8, make_model=SMALL, overlap_repeats=1
-        ),
+        functools.partial(E.local_sgd_run, periods=(1, 4, 3), steps=8, make_model=SMALL),
         functools.partial(
             E.model_parallel_run, micro_batches=(1, 2), width=8, rows=2, layers=1, dim=16, heads=2
         ),
@@ -36,16 +38,33 @@ def results():
             make_model=TINY_RESNET,
             start_iter=2,
         ),
+        functools.partial(
+            E.overlap_run, bucket_caps_mb=(0.01, 25.0), make_model=DEEP, rows=4, repeats=1
+        ),
     ]
     return spawn(call_each, 2, runs, timeout=120)
 
 
 def test_collective_times(results):
     coll = results[0][0]
-    assert coll["nbytes"] == [4_000, 400_000]
+    assert coll["nbytes"] == [4_000, 400_000] and coll["world_size"] == 2
     assert set(coll["seconds"]) == {"ring", "tree", "built-in"}
     assert all(t > 0 for ts in coll["seconds"].values() for t in ts)
     assert all(a >= 0 and b >= 0 for a, b in coll["fit"].values())
+    # at p = 2 the ring and recursive doubling send the same bytes: n from each rank
+    assert coll["sent"] == {"ring": [4_000, 400_000], "tree": [4_000, 400_000]}
+
+
+@pytest.mark.parametrize("p", [3, 4])
+def test_collective_bytes_follow_the_formulas_beyond_two_ranks(p):
+    nbytes = [1_200, 48_000]  # multiples of 4 p bytes: every chunk holds n / (4 p) floats
+    coll = spawn(functools.partial(E.collective_times, nbytes=nbytes, repeats=1), p, timeout=120)
+    sent = coll[0]["sent"]
+    assert all(r["sent"] == sent for r in coll)  # the busiest rank's, on every rank
+    # ring: 2(p - 1) chunks of n / p; recursive doubling: log2 q steps of n, plus the
+    # hand-back of the sum to a folded rank when p is not a power of two (q = 2 at p = 3)
+    assert sent["ring"] == [2 * (p - 1) * n // p for n in nbytes]
+    assert sent["tree"] == [2 * n for n in nbytes]
 
 
 def test_compression_bytes_follow_the_formats(results):
@@ -61,10 +80,30 @@ def test_compression_bytes_follow_the_formats(results):
 
 
 def test_local_sgd_rounds(results):
-    local = results[0][2]
-    assert local["periods"][1]["rounds"] == 8 and local["periods"][4]["rounds"] == 2
-    assert local["periods"][1]["bytes"] == 4 * local["periods"][4]["bytes"]
-    assert list(local["overlap"]) == ["after backward", "bucket 0.25 MB", "bucket 25 MB"]
+    periods = results[0][2]["periods"]
+    assert periods[1]["rounds"] == 8 and periods[4]["rounds"] == 2
+    # 8 steps at H = 3: two periods and the last average, which is counted too
+    assert periods[3]["rounds"] == 3
+    assert periods[1]["bytes"] == 4 * periods[4]["bytes"]
+    assert 3 * periods[1]["bytes"] == 8 * periods[3]["bytes"]
+
+
+def test_overlap_on_a_model_many_buckets_long(results):
+    ov = results[0][6]
+    assert ov == results[1][6]  # the slowest rank's times; the same model on both
+    assert list(ov["seconds"]) == [
+        "no all-reduce",
+        "after backward",
+        "bucket 0.01 MB",
+        "bucket 25 MB",
+    ]
+    assert all(t > 0 for t in ov["seconds"].values())
+    model = DEEP()
+    assert ov["gradient_bytes"] == 4 * sum(q.numel() for q in model.parameters())
+    # a bucket a 64 x 64 layer (16.6 KiB > 0.01 MiB) at the small cap, one at the large
+    layers = sum(1 for q in model.parameters() if q.dim() == 2)
+    assert ov["buckets"][25.0] == 1 and layers - 1 <= ov["buckets"][0.01] <= layers
+    assert ov["cores"] >= 1
 
 
 def test_model_parallel(results):
@@ -114,16 +153,15 @@ def test_a_dry_run_caps_the_steps_and_examples_of_every_rank(monkeypatch):
     monkeypatch.setenv("LSDL_MAX_STEPS", "2")
     monkeypatch.setenv("LSDL_MAX_EXAMPLES", "4")
     runs = [
-        functools.partial(
-            E.local_sgd_run, periods=(1, 4), steps=8, make_model=SMALL, overlap_repeats=3
-        ),
+        functools.partial(E.local_sgd_run, periods=(1, 4), steps=8, make_model=SMALL),
         functools.partial(
             E.compression_run, names=["none"], steps=8, make_model=SMALL, start_iter=5
         ),
     ]
     local, comp = spawn(call_each, 2, runs, timeout=120)[0]
-    # one all-reduce a step at H = 1: 2 steps ran, not 8; none at H = 4 (8 // 4 uncapped)
-    assert local["periods"][1]["rounds"] == 2 and local["periods"][4]["rounds"] == 0
+    # one all-reduce a step at H = 1: 2 steps ran, not 8; at H = 4 only the last average
+    # (8 // 4 = 2 uncapped)
+    assert local["periods"][1]["rounds"] == 2 and local["periods"][4]["rounds"] == 1
     # the compressed steps counted are those that ran: a whole gradient's bytes per step
     none = comp["none"]
     assert none["bytes_per_step"] == 4 * none["parameters"]

@@ -1,6 +1,8 @@
 """The checkers of Lab 7 accept right answers and reject the usual wrong ones with a hint:
-the ring all-reduce on a real world of 3 (the student's source sent to the ranks), the
-error-feedback step and the 1-bit compressor against lsdl_lab.compress."""
+the ring all-reduce on a real world of 3 (the student's source sent to the ranks, the
+built-in collectives forbidden and every message counted), the error-feedback step and the
+1-bit compressor against lsdl_lab.compress; SentMessages counts and forbids, then restores
+torch.distributed."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch.distributed as dist
 from lsdl_lab import check
 from lsdl_lab.check import CheckFailed
 from lsdl_lab.compress import ErrorFeedback, SignSGD, TopK
+from lsdl_lab.distributed import traffic
 from lsdl_lab.exercises import lab07
 
 
@@ -40,6 +43,53 @@ def blocking_ring(tensor, group=None):
     return tensor.add_(incoming)
 
 
+def uses_the_built_in(tensor, group=None):
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def gather_everything(tensor, group=None):
+    """Right sums, but every rank sends its whole tensor to every other rank."""
+    r, p = dist.get_rank(group), dist.get_world_size(group)
+    others = [torch.empty_like(tensor) for _ in range(p)]
+    ops = []
+    for q in range(p):
+        if q != r:
+            ops.append(dist.P2POp(dist.isend, tensor.clone(), q, group))
+            ops.append(dist.P2POp(dist.irecv, others[q], q, group))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    for q in range(p):
+        if q != r:
+            tensor += others[q]
+    return tensor
+
+
+def ring_in_halves(tensor, group=None):
+    """A right ring that sends every chunk as two messages: 4(p - 1) of them."""
+    r, p = dist.get_rank(group), dist.get_world_size(group)
+    chunks = list(torch.tensor_split(tensor.view(-1), p))
+
+    def exchange(send, recv):
+        ops = []
+        for out, into in zip(torch.tensor_split(send, 2), torch.tensor_split(recv, 2)):
+            if out.numel():
+                ops.append(dist.P2POp(dist.isend, out, (r + 1) % p, group))
+            if into.numel():
+                ops.append(dist.P2POp(dist.irecv, into, (r - 1) % p, group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+    for s in range(p - 1):
+        recv = chunks[(r - s - 2) % p]
+        incoming = torch.empty_like(recv)
+        exchange(chunks[(r - s - 1) % p], incoming)
+        recv += incoming
+    for s in range(p - 1):
+        exchange(chunks[(r - s) % p], chunks[(r - s - 1) % p])
+    return tensor
+
+
 def helper_outside(tensor, group=None):
     return a_helper_the_ranks_do_not_have(tensor)  # noqa: F821
 
@@ -50,7 +100,47 @@ def stub(tensor, group=None):
 
 def test_ring_checker_accepts_a_correct_ring(capsys):
     check.checker("lab07.ring_all_reduce")(lab07.ring_all_reduce)
-    assert "equals dist.all_reduce at world 3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the sum at world 3" in out and "2(p - 1) = 4 messages of one chunk" in out
+
+
+def test_ring_checker_rejects_the_built_in_all_reduce():
+    with pytest.raises(
+        CheckFailed, match=r"dist\.all_reduce is a built-in collective, not allowed"
+    ):
+        check.checker("lab07.ring_all_reduce")(uses_the_built_in)
+
+
+def test_ring_checker_rejects_a_rank_that_sends_its_whole_tensor():
+    # its sums are right: only the count of what it sends catches it (at 2 entries, a
+    # message of 2 numbers where a ring's chunks hold ceil(2 / 3) = 1)
+    with pytest.raises(CheckFailed, match=r"one message carried 2 numbers; in a ring every"):
+        check.checker("lab07.ring_all_reduce")(gather_everything)
+
+
+def test_ring_checker_rejects_more_messages_than_a_ring_sends():
+    with pytest.raises(CheckFailed, match=r"8 messages were sent; a ring sends 2\(p - 1\) = 4"):
+        check.checker("lab07.ring_all_reduce")(ring_in_halves)
+
+
+def test_sent_messages_forbids_counts_and_restores():
+    names = ("send", "isend", "batch_isend_irecv", "P2POp", *traffic.BUILT_IN_COLLECTIVES)
+    before = {name: getattr(dist, name) for name in names}
+    assert "all_reduce" in traffic.BUILT_IN_COLLECTIVES
+    with traffic.SentMessages(forbid=True) as sent:
+        with pytest.raises(traffic.BuiltInCollective, match="dist.all_gather is a built-in"):
+            dist.all_gather([torch.zeros(1)], torch.zeros(1))
+        with pytest.raises(RuntimeError, match="already open"):
+            traffic.SentMessages().__enter__()
+        # a P2POp of the counting isend is built on torch's own (without a process group,
+        # building one needs the default group: the op is checked before that)
+        assert issubclass(dist.P2POp, before["P2POp"]) and dist.P2POp is not before["P2POp"]
+        assert dist.isend is not before["isend"]
+    assert sent.numels == [] and sent.bytes == 0
+    assert {name: getattr(dist, name) for name in names} == before
+    with traffic.SentMessages() as counting:  # without forbid the collectives are torch's
+        assert dist.all_reduce is before["all_reduce"]
+    assert counting.bytes == 0
 
 
 def test_ring_checker_rejects_a_ring_without_its_all_gather():
