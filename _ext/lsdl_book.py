@@ -52,22 +52,38 @@ def book_page_of(url, prefix, pages, path_to_docs=""):
     return None if page is None else (page, parts.fragment)
 
 
-def link_book_pages_internally(app, doctree, docname):
-    """Turn a link to a page's source on GitHub into a link to the rendered page.
+def site_page_of(url, baseurl, docnames):
+    """(page, fragment) when `url` is the published site's URL of a page of the book
+    (``baseurl + <docname>.html``), else None."""
+    if not baseurl or not url.startswith(baseurl):
+        return None
+    parts = urlsplit(url[len(baseurl) :])
+    if parts.query or not parts.path.endswith(".html"):
+        return None
+    page = parts.path.removesuffix(".html")
+    return (page, parts.fragment) if page in docnames else None
 
-    The labs link to chapters by their GitHub URL (a relative link opens nothing in Colab,
-    which shows the notebook alone); on the site the reader should stay on the site.
+
+def link_book_pages_internally(app, doctree, docname):
+    """Turn a link to a page on the published site, or to its source on GitHub, into a
+    link to the page of this build.
+
+    The labs link to chapters by the site's URL (a relative link opens nothing in Colab,
+    which shows the notebook alone); on the built site, a preview or a local build
+    included, the reader should stay on the site being read.
     """
     if app.builder.format != "html":
         return
     options = app.config.html_theme_options or {}
     prefix = repository_blob_prefix(options)
-    if prefix is None:
-        return
+    baseurl = app.config.html_baseurl or None
     env = app.env
     pages = {PurePosixPath(env.doc2path(d, base=False)).as_posix(): d for d in env.all_docs}
     for node in doctree.findall(nodes.reference):
-        found = book_page_of(node.get("refuri", ""), prefix, pages, options.get("path_to_docs", ""))
+        url = node.get("refuri", "")
+        found = site_page_of(url, baseurl, env.all_docs) or book_page_of(
+            url, prefix, pages, options.get("path_to_docs", "")
+        )
         if found is None:
             continue
         page, fragment = found

@@ -284,6 +284,12 @@ def test_the_hook_finds_the_page_a_repository_link_names():
     # a book kept in a folder of its repository (_config.yml's path_to_book)
     assert ext.book_page_of(f"{blob}docs/intro.md", blob, pages, "docs") == ("intro", "")
     assert ext.book_page_of(f"{blob}intro.md", blob, pages, "docs/") is None
+    site = "https://example.org/r/"
+    docnames = set(pages.values())
+    assert ext.site_page_of(f"{site}book/ch01.html#a-b", site, docnames) == ("book/ch01", "a-b")
+    for other in (f"{site}book/ch09.html", f"{site}book/ch01.md", "https://example.org/x.html"):
+        assert ext.site_page_of(other, site, docnames) is None, other
+    assert ext.site_page_of(f"{site}book/ch01.html", None, docnames) is None
 
 
 class _Links(HTMLParser):
@@ -342,11 +348,12 @@ def link_problem(href, base, html, sources):
 
 @pytest.mark.notebook
 def test_links_to_pages_on_github_become_links_to_the_site(tmp_path):
-    """The hook on a two-page book: a lab links the chapter by its GitHub URL (as it must for
-    Colab), the chapter the lab; both become internal links, anchors kept; links to files
-    that are no pages stay on GitHub. (The pages borrow real names, so that the GitHub links
-    name files of the repository.)"""
+    """The hook on a two-page book: a lab links the chapter by the published site's URL (as
+    it must for Colab) and by its GitHub URL, the chapter the lab; all become internal
+    links, anchors kept; links to files that are no pages stay on GitHub. (The pages borrow
+    real names, so that the GitHub links name files of the repository.)"""
     blob = repository_blob()
+    published = yaml.safe_load((ROOT / "_config.yml").read_text())["html"]["baseurl"]
     chapter, lab = "book/ch01_introduction", "labs/lab01_getting_started"
     chapter_text = (
         "# A chapter\n\n## The section\n\n"
@@ -359,7 +366,8 @@ def test_links_to_pages_on_github_become_links_to_the_site(tmp_path):
         nbformat.v4.new_markdown_cell(
             f"# A lab\n\n[Chapter]({blob}{chapter}.md), [its section]"
             f"({blob}{chapter}.md#the-section), [a source]({blob}lsdl_lab/__init__.py), "
-            f"[as text]({blob}{chapter}.md?plain=1)"
+            f"[as text]({blob}{chapter}.md?plain=1), [on the site]"
+            f"({published}{chapter}.html#the-section)"
         )
     ]
     pages = {f"{chapter}.md": chapter_text, f"{lab}.ipynb": nbformat.writes(notebook)}
@@ -372,6 +380,7 @@ def test_links_to_pages_on_github_become_links_to_the_site(tmp_path):
         f"{site}{chapter}.html#the-section",
         f"{blob}lsdl_lab/__init__.py",
         f"{blob}{chapter}.md?plain=1",
+        f"{site}{chapter}.html#the-section",
     ]
     for href in (f"{site}{lab}.html", f"{site}{chapter}.html#the-section"):
         assert href in in_article[chapter]

@@ -98,6 +98,25 @@ def repository():
     return config["url"].rstrip("/"), config.get("branch", "main")
 
 
+def site():
+    """The published site's URL, from _config.yml (html.baseurl)."""
+    return yaml.safe_load((ROOT / "_config.yml").read_text())["html"]["baseurl"]
+
+
+def site_link_problem(url, site_url):
+    """Why a link to the published site names no page of this book (None when it does, or
+    when it is no link to the site): a page is ``<site><source without suffix>.html``."""
+    if not url.startswith(site_url):
+        return None
+    path = urlsplit(url[len(site_url) :]).path
+    if not path.endswith(".html"):
+        return f"{path} is not a page of the site (<page>.html)"
+    stem = ROOT / path.removesuffix(".html")
+    if not any(stem.with_suffix(suffix).is_file() for suffix in (".md", ".ipynb")):
+        return f"no page {path}: no {stem.relative_to(ROOT)}.md or .ipynb in the repository"
+    return None
+
+
 def repository_target(url, repo_url):
     """(view, branch, path, fragment) when `url` names a file or folder of the repository at
     `repo_url` (view: blob, tree or raw), else None."""
@@ -186,6 +205,11 @@ def test_the_link_checks_find_each_kind_of_link():
     assert "not a file" in repository_link_problem(f"{repo}/blob/main/no/such.md", repo, branch)
     assert repository_link_problem(f"{repo}/tree/main/labs", repo, branch) is None
     assert repository_link_problem(f"{repo}/blob/main/README.md", repo, branch) is None
+    page = "https://example.org/r/"
+    assert site_link_problem(f"{page}book/ch01_introduction.html", page) is None
+    assert "no page book/ch99.html" in site_link_problem(f"{page}book/ch99.html", page)
+    assert "not a page" in site_link_problem(f"{page}book/ch01_introduction.md", page)
+    assert site_link_problem("https://arxiv.org/abs/1", page) is None
     assert repository_link_problem(f"{repo}/blob/main/_config.yml#L2-L3", repo, branch) is None
     assert "lines" in repository_link_problem(
         f"{repo}/blob/main/_config.yml#L1-L9999", repo, branch
@@ -215,13 +239,15 @@ def test_every_link_of_a_lab_opens_in_colab(lab):
                 )
             elif (problem := repository_link_problem(target, repo_url, branch)) is not None:
                 problems.append(f"cell {i}: {target}: {problem}")
+            elif (problem := site_link_problem(target, site())) is not None:
+                problems.append(f"cell {i}: {target}: {problem}")
     assert not problems, f"{lab.name}:\n" + "\n".join(problems)
 
 
-def test_labs_link_their_chapters_by_the_repository_url():
-    """So that the check above has links to check: most labs open on their chapter."""
-    repo_url, branch = repository()
-    chapter = re.compile(re.escape(f"{repo_url}/blob/{branch}/book/") + r"ch\d\d_\w+\.md")
+def test_labs_link_their_chapters_by_the_site_url():
+    """So that the check above has links to check: most labs open on their chapter, on the
+    published site (Colab shows the lab alone; GitHub would show the chapter's raw MyST)."""
+    chapter = re.compile(re.escape(f"{site()}book/") + r"ch\d\d_\w+\.html")
     linked = [
         lab.name
         for lab in LABS
