@@ -66,11 +66,15 @@ def test_lab_plan_against_a_measured_world_of_two(tmp_path):
     assert (model.layers, model.hidden, model.heads, model.seq_len) == (2, 64, 4, 32)
     one = train(base.replace(out_dir=str(tmp_path / "one")))
     assert one[-1]["memory"][0]["params"] == 4 * model.params  # the planner's GPT is the run's
-    rate = step_flop_rate(model, one)
     runs = {p: base.replace(parallel=p, out_dir=str(tmp_path / p)) for p in ("ddp", "fsdp2")}
     workers = [functools.partial(measure_link, nbytes=(4096, 1 << 18, 1 << 20), repeats=3)]
     workers += [functools.partial(run_rank, config=c) for c in runs.values()]
     link, *records = spawn(call_each, 2, workers, timeout=120)[0]
+    # the one-process rate, measured before and after the world, the faster kept: another
+    # test's work on the shared cores during one measurement only slows it (load made the
+    # world's DDP step 0.58 of an estimate from a slowed rate once, in a CI run)
+    again = train(base.replace(out_dir=str(tmp_path / "again")))
+    rate = max(step_flop_rate(model, one), step_flop_rate(model, again))
     # loopback: under 0.1 s a message, faster than 1 MB/s (a fit may put one at 0)
     assert 0 <= link.alpha < 0.1 and 0 <= link.beta < 1e-6
     for parallel, measured in zip(runs, records, strict=True):
