@@ -194,6 +194,49 @@ def figure_colours(session) -> list[dict]:
     return colours
 
 
+# Every block of code or output (pre) of the page's text, its details and dropdowns opened
+# (a hidden cell's code, a solution), as laid out now: whether it scrolls sideways, and for a
+# listing of the library's code (_ext/lsdl_listings.py) its font beside the page's other code.
+BLOCKS_JS = """
+const article = document.querySelector("article");
+if (!article) return [];
+article.querySelectorAll("details").forEach(d => { d.open = true; });
+article.querySelectorAll(".toggle-hidden").forEach(e => e.classList.remove("toggle-hidden"));
+const code = [...article.querySelectorAll("div.highlight pre")]
+    .find(p => !p.closest(".lsdl-listing"));
+const codeFont = code ? getComputedStyle(code).fontSize : null;
+return [...article.querySelectorAll("pre")].filter(p => p.checkVisibility()).map(p => {
+    const lines = p.textContent.split("\\n");
+    const longest = lines.reduce((a, b) => (b.length > a.length ? b : a), "");
+    const listing = p.closest(".lsdl-listing");
+    return {
+        listing: !!listing,
+        name: listing ? listing.querySelector(".caption-text").textContent.trim() : "",
+        scroll: p.scrollWidth,
+        client: p.clientWidth,
+        font: getComputedStyle(p).fontSize,
+        code_font: codeFont,
+        longest: longest.length,
+        line: longest.trim().slice(0, 60),
+    };
+});
+"""
+
+
+def code_blocks(session) -> list[dict]:
+    """Each block of code or output of the loaded page's text (details and dropdowns opened):
+    ``scroll`` and ``client`` widths (it scrolls sideways when the first is larger), its font
+    size, ``code_font`` (that of the page's first other code block, a cell's code: the theme's
+    code font), its longest line (length, start), whether it is a listing of the library's
+    code and which."""
+    return session.execute_script(BLOCKS_JS)
+
+
+def sideways(block: dict) -> bool:
+    """Whether a block of `code_blocks` scrolls sideways."""
+    return block["scroll"] > block["client"]
+
+
 def luminance(rgb) -> float:
     """WCAG's relative luminance of an sRGB colour (0-255 channels)."""
 

@@ -4,13 +4,18 @@
 broken cross-reference, a citation missing from references.bib, a duplicate label.
 """
 
+import ast
 import functools
 import importlib.util
+import inspect
+import io
 import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
+import tokenize
 import unicodedata
 from html.parser import HTMLParser
 from pathlib import Path
@@ -209,13 +214,15 @@ def test_book_builds_without_warnings(smoke_book):
     assert "colab.research.google.com" in lab  # the launch button
 
 
-def small_book(folder, pages, execute=True):
+def small_book(folder, pages, execute=True, sphinx=None):
     """Build a book of `pages` ({path: text}, the first the root) in `folder` with the
-    project's own _config.yml (execution off unless `execute`), local extension and static
-    files; returns the finished `jupyter-book build -W` process."""
+    project's own _config.yml (execution off unless `execute`; `sphinx`: settings added to
+    its Sphinx configuration), local extensions and static files; returns the finished
+    `jupyter-book build -W` process."""
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     if not execute:  # a markdown-only notebook would still start a kernel
         config["execute"]["execute_notebooks"] = "off"
+    config["sphinx"]["config"].update(sphinx or {})
     (folder / "_config.yml").write_text(yaml.safe_dump(config, sort_keys=False))
     for sub in ("_ext", "_static"):  # the config's local extension and favicon
         shutil.copytree(ROOT / sub, folder / sub)
@@ -398,6 +405,170 @@ def test_links_to_pages_on_github_become_links_to_the_site(tmp_path):
         assert link_problem(broken, site, html, set(pages)), broken
 
 
+def listings_extension():
+    spec = importlib.util.spec_from_file_location(
+        "lsdl_listings", ROOT / "_ext" / "lsdl_listings.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LISTING = re.compile(r"^```\{listing\} (\S+)\n```$", re.M)
+
+
+def chapter_listings():
+    """(chapter, import path) of each listing of the library's code in the chapters."""
+    chapters = sorted((ROOT / "book").glob("ch0*.md"))
+    return [(f.name, path) for f in chapters for path in LISTING.findall(f.read_text())]
+
+
+def test_the_chapters_show_the_library_by_one_mechanism():
+    """Every listing of the library's code in a chapter is a ``listing`` (highlighted,
+    formatted for the column): no chapter prints a source (``inspect.getsource``, a ``show``
+    helper) or includes a file's object (``literalinclude``); each names an object of the
+    library that the directive formats within the column's width; the stylesheet sizes the
+    listings' font for that width."""
+    ext = listings_extension()
+    listed = chapter_listings()
+    assert len(listed) >= 40, listed  # 46 listings in Chapters 2 to 8
+    for f in sorted((ROOT / "book").glob("ch0*.md")):
+        text = f.read_text()
+        for other in ("getsource", "literalinclude", "def show("):
+            assert other not in text, f"{f.name} shows code with {other}: use a listing"
+    for chapter, path in listed:
+        assert path.startswith("lsdl_lab."), (chapter, path)
+        text = ext.format_listing(inspect.getsource(ext.resolve(path)))
+        assert max(map(len, text.splitlines())) <= ext.WIDTH, (chapter, path)
+    css = (ROOT / "_static" / "lsdl.css").read_text()
+    assert re.findall(r"\((\d+) \* 0\.605\)", css) == [str(ext.WIDTH)]
+
+
+def code_of(source):
+    """The syntax tree of `source` with each docstring's words only (what a listing keeps)."""
+    tree = ast.parse(textwrap.dedent(source))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                value.value = " ".join(value.value.split())
+    return ast.dump(tree)
+
+
+def comment_words(source):
+    """The words of `source`'s comments, in order."""
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return [w for t in tokens if t.type == tokenize.COMMENT for w in t.string.lstrip("#").split()]
+
+
+SAMPLE = r"""
+    @staticmethod
+    def method(alpha, beta, gamma):
+        r'''A docstring whose first paragraph is far longer than the column of the book holds,
+        so that it is refilled.
+
+        - an item of a list that goes on and on beyond the column, with its hanging indent kept
+        - a second item
+
+        .. math::
+            w_t = w_{t-1} - \frac{\eta}{1 - \beta_1^t}\, \frac{m_t}{\sqrt{\hat v_t} + \epsilon}
+        '''
+        if alpha:  # a trailing comment on a block's header, longer than the column holds it
+            total = some_function_with_a_long_name(alpha, beta, keyword=alpha * beta)  # fmt: skip
+        # a comment block whose lines are far too long for the column of the book: it is refilled
+        # into lines that fit, word for word
+        if beta:
+            raise ValueError(f"Invalid beta: {beta} (expected a number between zero and one)")
+        return f"alpha {alpha}, beta {beta}, gamma {gamma}, and a tail of words past the column"
+"""
+
+
+def test_a_listing_is_the_same_code_within_the_column():
+    """The directive's formatter on a method with every kind of long line: each line fits the
+    width; the code parses to the same tree (docstrings word for word), the comments keep
+    their words, a formatter's directive (fmt: skip) goes; a docstring's list item keeps its
+    hanging indent and a math line continues deeper; a line already within the width stays as
+    it was. A line that cannot be cut is refused, naming it."""
+    ext = listings_extension()
+    width = ext.WIDTH
+    text = ext.format_listing(SAMPLE, width)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= width < max(map(len, SAMPLE.splitlines()))
+    assert code_of(text) == code_of(SAMPLE)
+    assert comment_words(text) == [w for w in comment_words(SAMPLE) if w not in ("fmt:", "skip")]
+    assert "fmt:" not in text
+    assert lines[0] == "@staticmethod" and "    - a second item" in lines
+    item = next(i for i, line in enumerate(lines) if line.startswith("    - an item"))
+    assert lines[item + 1].startswith("      ") and not lines[item + 1].startswith("       ")
+    math = next(i for i, line in enumerate(lines) if line.startswith("        w_t ="))
+    assert lines[math + 1].startswith("            ")  # four deeper than the math line
+    header = lines.index("    if alpha:")  # its comment opens the block
+    assert lines[header + 1].startswith("        # a trailing comment")
+    with pytest.raises(ext.ListingError, match=r"line 3 \(100 characters\): \"x{90}\""):
+        ext.format_listing('def f():\n    return "' + "x" * 90 + '"\n', width)
+
+
+def test_a_listing_names_its_object_by_import_path():
+    ext = listings_extension()
+    from lsdl_lab import noise, optim
+
+    assert ext.resolve("lsdl_lab.optim.LARS.update") is optim.LARS.update
+    getter = ext.resolve("lsdl_lab.noise.GradientNoise.simple_noise_scale")
+    assert getter is noise.GradientNoise.simple_noise_scale.fget  # a property: its getter
+    with pytest.raises(ValueError, match="lsdl_lab.optim has no 'Nothing'"):
+        ext.resolve("lsdl_lab.optim.Nothing.update")
+    with pytest.raises(ValueError, match="lsdl_lab has no 'nothing'"):
+        ext.resolve("lsdl_lab.nothing.f")
+    site = "https://github.com/o/r"
+    options = {"repository_url": site, "repository_branch": "dev"}
+    assert (
+        ext.repository_link(ROOT / "lsdl_lab" / "noise.py", 10, 5, ROOT, options)
+        == f"{site}/blob/dev/lsdl_lab/noise.py#L10-L14"
+    )
+    assert ext.repository_link(Path("/elsewhere/noise.py"), 10, 5, ROOT, options) is None
+
+
+# Chapter 7's collectives: lines of up to 99 characters in the library
+WIDE = (
+    "lsdl_lab.distributed.collectives._post_all_gather",
+    "lsdl_lab.distributed.collectives.tree_all_reduce",
+)
+
+
+@pytest.mark.notebook
+def test_a_listing_wider_than_the_column_is_seen_scrolling(tmp_path):
+    """The browser test's check of code blocks (site_browser.code_blocks) on a small book of
+    listings, in Chromium at the book's window size: at the project's width they fit the
+    column in the theme's code font; formatted at the library's own line length (100)
+    instead, they scroll sideways, and the check sees it."""
+    from site_browser import browser_paths, chromium, code_blocks, serve, sideways
+
+    try:
+        browser_paths()
+    except RuntimeError as missing:  # never a silent skip: say what to install
+        pytest.fail(str(missing))
+    page = "# Listings\n\n```python\nx = 1\n```\n\n" + "".join(
+        f"```{{listing}} {path}\n```\n\n" for path in WIDE
+    )
+    seen = {}
+    for width in (None, 100):
+        folder = tmp_path / f"book-{width}"
+        folder.mkdir()
+        extra = {"lsdl_listing_width": width} if width else None
+        proc = small_book(folder, {"page.md": page}, execute=False, sphinx=extra)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        with serve(folder / "_build" / "html") as base, chromium(folder / "profile") as browser:
+            browser.get(f"{base}page.html")
+            seen[width] = [b for b in code_blocks(browser) if b["listing"]]
+    fitted, wide = seen[None], seen[100]
+    assert [b["name"] for b in fitted] == list(WIDE) == [b["name"] for b in wide]
+    assert not [b for b in fitted if sideways(b)], fitted
+    assert all(b["font"] == b["code_font"] for b in fitted), fitted
+    assert max(b["longest"] for b in wide) > max(b["longest"] for b in fitted)
+    assert [b for b in wide if sideways(b)], wide
+
+
 ARTIFACTS = ROOT / "_build" / "test-artifacts"
 SCREENSHOTS = ("intro", "book/ch05_generalization_gap", "labs/lab03_optimizers")  # both modes
 # Dark mode: each figure of these pages is shown as drawn (its pixels within this many 8-bit
@@ -439,13 +610,16 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
     URL for Colab: the book's hook makes them internal); search finds a term; exercise
     solutions are hidden until clicked; widget explorers show a static figure; the theme's
     switch turns pages dark, and there every figure (a widget explorer's too) reads as in
-    light mode, on a light card. Screenshots of some pages in each mode go to
-    _build/test-artifacts."""
+    light mode, on a light card; in light mode, at the window's size, no block of code or
+    output scrolls sideways (hidden cells and solutions opened), and every listing of the
+    library's code is shown whole in the theme's code font. Screenshots of some pages in each
+    mode go to _build/test-artifacts."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
     from site_browser import (
         browser_paths,
         chromium,
+        code_blocks,
         console_errors,
         contrast,
         css_rgb,
@@ -454,6 +628,7 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
         page_state,
         serve,
         set_theme,
+        sideways,
     )
 
     returncode, log, html = smoke_book
@@ -469,6 +644,7 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
         f + ext for f in toc_files() for ext in (".md", ".ipynb") if (ROOT / (f + ext)).exists()
     }
     labs_to_chapters, labs_from_chapters = set(), set()  # links in the text, between the two
+    blocks, listings = 0, []  # code blocks measured; the listings of the library's code
     with serve(html) as base, chromium(tmp_path / "profile") as browser:
         for page in toc_files():
             state = page_state(browser, f"{base}{page}.html")
@@ -505,6 +681,27 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
                     problems.append(f"{page}: a widget explorer shows no static figure")
             if page in SCREENSHOTS:
                 browser.save_screenshot(str(ARTIFACTS / f"{page.replace('/', '_')}.png"))
+            # code as a reader sees it: light mode (nothing chosen yet: the system's, light in
+            # headless Chromium), the window's default size
+            theme = browser.execute_script("return document.documentElement.dataset.theme;")
+            if theme != "light":
+                problems.append(f"{page}: code blocks measured in {theme} mode, not light")
+            for block in code_blocks(browser):  # opens the page's hidden cells: last
+                blocks += 1
+                what = f"listing {block['name']}" if block["listing"] else "block"
+                if sideways(block):
+                    problems.append(
+                        f"{page}: {what} scrolls sideways ({block['scroll']} px in "
+                        f"{block['client']} px; its longest line, {block['longest']} "
+                        f"characters: {block['line']!r})"
+                    )
+                if block["listing"]:
+                    listings.append(block["name"])
+                    if block["font"] != block["code_font"]:
+                        problems.append(
+                            f"{page}: {what} in {block['font']}, not the code font "
+                            f"{block['code_font']}: the column is narrower than its lines"
+                        )
 
         # search: Sphinx's own index, filled in by JavaScript
         browser.get(f"{base}search.html?q={SEARCH_TERM}")
@@ -566,6 +763,9 @@ def test_site_in_headless_chromium(smoke_book, tmp_path):
     print(f"screenshots of {', '.join(SCREENSHOTS)}, light and dark, in {ARTIFACTS}")
     assert not problems, "\n".join(problems)
     assert math_pages >= MIN_MATH_PAGES and explorers >= 1  # the checks above did run
+    # every listing of the chapters was measured, among the pages' other blocks
+    assert sorted(listings) == sorted(path for _, path in chapter_listings()), listings
+    assert blocks > 2 * len(listings)
     labs = [f for f in toc_files() if f.startswith("labs/")]
     # each lab but Lab 1 opens on its chapter; the chapters, the introduction and the parts'
     # pages link most labs (the links' own checks above ran on these)

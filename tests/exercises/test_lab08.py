@@ -110,13 +110,19 @@ def right_factored_second_moment(row, col, grad, beta2):
     return row, col, row @ col / row.mean()
 
 
-def right_second_moment_gap(grads, beta2):
+def factored_and_full(grads, beta2):
+    """Adafactor's factored estimate and Adam's full second moment after ``grads``."""
     n, m = grads[0].shape
     row, col = torch.zeros(n, 1, dtype=grads[0].dtype), torch.zeros(1, m, dtype=grads[0].dtype)
     v = torch.zeros_like(grads[0])
     for g in grads:
         row, col, v_hat = right_factored_second_moment(row, col, g, beta2)
         v = beta2 * v + (1 - beta2) * g**2
+    return v_hat, v
+
+
+def right_second_moment_gap(grads, beta2):
+    v_hat, v = factored_and_full(grads, beta2)
     return ((v_hat - v).abs().max() / v.max()).item()
 
 
@@ -196,12 +202,7 @@ def against_last_square(grads, beta2):
 
 
 def absolute_gap(grads, beta2):
-    n, m = grads[0].shape
-    row, col = torch.zeros(n, 1, dtype=grads[0].dtype), torch.zeros(1, m, dtype=grads[0].dtype)
-    v = torch.zeros_like(grads[0])
-    for g in grads:
-        row, col, v_hat = right_factored_second_moment(row, col, g, beta2)
-        v = beta2 * v + (1 - beta2) * g**2
+    v_hat, v = factored_and_full(grads, beta2)
     return (v_hat - v).abs().max().item()
 
 
