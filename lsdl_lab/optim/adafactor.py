@@ -71,6 +71,7 @@ from torch import Tensor
 
 from .._util import check_nonnegative, check_real
 from .base import Optimizer
+from .compiled import computed_once
 from .pieces import smaller
 
 __all__ = ["Adafactor"]
@@ -164,16 +165,16 @@ class Adafactor(Optimizer):
                 alpha = self.clamped_rms(w, 1.0, eps2) * alpha
             if lam:
                 w.mul_(1 - lr * lam)  # decoupled weight decay
-            u = self.second_moment(w, g, k**c, eps1)  # V_hat, a new tensor
+            u = self.second_moment(w, g, computed_once(k**c), eps1)  # V_hat, a new tensor
             # U_t = G_t / max(sqrt(V_hat), eps1), as rsqrt(max(V_hat, eps1^2)) (torch.optim's)
             u.clamp_min_(eps1 * eps1).rsqrt_().mul_(g)
-            clip = self.clamped_rms(u, d, 1.0)  # U_hat_t = U_t / clip
+            clip = computed_once(self.clamped_rms(u, d, 1.0))  # U_hat_t = U_t / clip
             if beta1 is not None:
                 m = self.buffer([w], "exp_avg")[0]
                 m.lerp_(u.div_(clip), 1 - beta1)
-                w.sub_(torch.mul(m, alpha, out=u))
+                w.sub_(torch.mul(m, computed_once(alpha), out=u))
             else:  # alpha_t U_hat_t in one pass over U_t (alpha_t = 0: a step of exactly 0)
-                w.sub_(u.mul_(alpha / clip))  # a product: compiled, no division per element
+                w.sub_(u.mul_(computed_once(alpha / clip)))  # a product: no division per element
 
     @staticmethod
     def clamped_rms(x: Tensor, d: float, low: float) -> Tensor:
@@ -203,8 +204,8 @@ class Adafactor(Optimizer):
 
         :math:`G_t^2` is formed once, in a temporary that then receives :math:`\hat V_t`:
         each new temporary the size of the model costs a pass of fresh memory (torch.optim
-        avoids this one with ``torch.norm(g, dim)``, squared, which along the columns ran 7
-        to 15 times slower on CPU; it also rounds differently, by an ulp or two).
+        avoids this one with ``torch.norm(g, dim)``, squared, which is slower along the
+        columns on CPU (benchmarks/README.md) and rounds differently, by an ulp or two).
         """
         v_hat = []
         for p, g, w, e in zip(params, grads, weight, eps1, strict=True):
@@ -214,7 +215,7 @@ class Adafactor(Optimizer):
             averaged_mean_(c, v, w, dim=-2)  # C_t
             # R_t C_t / max(mean_i R_t, eps1), divided in the n-vector R_t: compiled, the loops
             # then divide nothing per element
-            r_scaled = r / r.mean(dim=-2, keepdim=True).clamp_min(e)
+            r_scaled = computed_once(r / r.mean(dim=-2, keepdim=True).clamp_min(e))
             v_hat.append(torch.mul(r_scaled, c, out=v))
         return v_hat
 

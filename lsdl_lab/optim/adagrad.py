@@ -20,6 +20,7 @@ import torch
 
 from .._util import check_nonnegative
 from .base import Optimizer
+from .compiled import map_once
 from .pieces import coupled_weight_decay
 
 __all__ = ["Adagrad"]
@@ -71,5 +72,5 @@ class Adagrad(Optimizer):
         torch._foreach_add_(std, eps)
         # -eta_t g_t is formed before dividing, as torch.optim does: addcdiv's own factor
         # multiplies after the division on CUDA, which would round differently
-        step = torch._foreach_mul(grads, [-lr / (1 + (k - 1) * delta) for k in t])
+        step = torch._foreach_mul(grads, map_once(lambda k: -lr / (1 + (k - 1) * delta), t))
         torch._foreach_addcdiv_(params, step, std)

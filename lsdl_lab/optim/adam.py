@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .base import Optimizer
+from .compiled import map_once
 from .pieces import (
     adam_denominator,
     adam_moments_,
@@ -88,15 +89,15 @@ class Adam(Optimizer):
             grads = coupled_weight_decay(grads, params, lam)
         adam_moments_(m, v, grads, beta1, beta2)
         # Free the weight-decayed copy of g before denom is allocated, as torch.optim does:
-        # denom then reuses its memory instead of touching fresh pages, which measured up
-        # to 1.2x the step time at 10M parameters (benchmarks/README.md).
+        # denom then reuses its memory instead of touching fresh pages (benchmarks/README.md
+        # measures what that saves).
         del grads
         if group["amsgrad"]:
             v_max = self.buffer(params, "max_exp_avg_sq")
             torch._foreach_maximum_(v_max, v)
             v = v_max
-        denom = adam_denominator(v, [1 - beta2**k for k in t], eps)
-        addcdiv_(params, m, denom, [-lr / (1 - beta1**k) for k in t])
+        denom = adam_denominator(v, map_once(lambda k: 1 - beta2**k, t), eps)
+        addcdiv_(params, m, denom, map_once(lambda k: -lr / (1 - beta1**k), t))
 
 
 class AdamW(Adam):

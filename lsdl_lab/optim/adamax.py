@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .base import Optimizer
+from .compiled import map_once
 from .pieces import addcdiv_, coupled_weight_decay
 
 __all__ = ["Adamax"]
@@ -66,4 +67,4 @@ class Adamax(Optimizer):
         abs_g = torch._foreach_abs(grads)
         torch._foreach_add_(abs_g, eps)
         torch._foreach_maximum_(u, abs_g)
-        addcdiv_(params, m, u, [-lr / (1 - beta1**k) for k in t])
+        addcdiv_(params, m, u, map_once(lambda k: -lr / (1 - beta1**k), t))

@@ -8,53 +8,83 @@ operations into one graph (Ansel et al., 2024, "PyTorch 2", ASPLOS), and TorchIn
 fuses each parameter's chain of elementwise operations into one loop that reads every
 array once and writes it once. There is no second copy of the mathematics.
 
-What makes one graph serve every step:
+What makes one graph serve every step, with torch's public interfaces:
 
 * **Per-step scalars are 0-d tensors.** A Python number in a traced function is a
   constant of the graph: a new learning rate (a schedule) or a new step count (Adam's bias
   corrections) would compile a new graph every step. On the compiled path the group's
   ``lr`` enters as a 0-d tensor and :meth:`~lsdl_lab.optim.base.Optimizer.count_steps`
-  returns the counts as a tensor, so every scalar computed from them (bias corrections,
+  returns the counts as 0-d tensors, so every scalar computed from them (bias corrections,
   trust ratios, Adafactor's relative step) is computed inside the graph. The other
   hyperparameters (betas, eps, weight decay, ...) are constants of the graph: changing one
-  compiles a new graph.
-* **and they are computed once per step.** TorchInductor inlines a scalar expression into
-  every loop that reads it: left alone, it would recompute ``1 - beta1**t`` for every
-  element of every tensor (the C++ compiler may not hoist ``pow`` out of the loop: it can
-  set ``errno``), which made Adam's compiled step 4.8x slower than torch's fused kernel;
-  LARS's loops recomputed each layer's trust ratio from its norms, a division per element.
-  So before compiling, :func:`compute_once` finds the small values the graph computes from
-  the per-step inputs (lr and the counts, through any arithmetic on them: computed once per
-  group, not once per tensor) or from reductions (norms, means, and any arithmetic on them:
-  trust ratios, RMS), and passes each through :func:`computed_once`, which makes
-  TorchInductor store it: it is computed once, before the loops, which read it from memory.
-  No ``update`` knows of this; each keeps computing its scalars where its equations do.
+  compiles a new graph (dynamo's guards see the change).
+* **and are computed once per step, by construction.** TorchInductor inlines a small value
+  into every loop that reads it: left alone, Adam's loops would recompute ``1 - beta1**t``
+  and ``sqrt(1 - beta2**t)`` for every eight elements of every tensor (the C++ compiler may
+  not hoist ``pow`` out of a loop: it can set ``errno``), LARS's loops each layer's trust
+  ratio from its norms, a division per element. So where an update hands such a value to
+  the loops, it passes it through :func:`computed_once`, an identity view (``as_strided``)
+  that TorchInductor must store before the loops read it: the shared pieces do so
+  (:func:`~lsdl_lab.optim.pieces.addcdiv_`'s step sizes, Adam's denominator's correction,
+  the decoupled decay factor, :func:`~lsdl_lab.optim.pieces.host_scalars`), and so do the
+  updates that compute their own (Adagrad, NAdam, LAMB, Adafactor). Eagerly it returns its
+  argument. Measured on Adam at 10M parameters (2026-11-26, CPU): without it the compiled
+  step took 2.7 times torch's fused kernel's time (22.6 against 8.4 ms, both functions made
+  identities), with it 0.99 (``benchmarks/results/compiled.md``).
 * **The first step of a group runs eagerly.** It creates the state; every later step finds
   the state it reads, so the graph is the same from step to step. The state stays what the
   eager path keeps (step counts as Python ints): ``state_dict`` is the same on both paths,
   and a run may resume on either.
-* **Warm steps call the compiled kernels directly.** Every call of a ``torch.compile``d
-  function first evaluates dynamo's guards (is every input still of the type, shape and
-  value the graph was traced for?) and then gathers the graph's inputs from the arguments:
-  here one entry per tensor and state, each state found in ``optimizer.state`` by walking
-  its keys. Measured on 65 tensors of 16 numbers (the 1M model's count) after the caches
-  were flushed (as a backward pass flushes them), the compiled graph's own call took 0.3 ms
-  of a 1.3 ms SGD step, dynamo's guard check alone 0.35 ms; torch's fused step took 0.7 ms.
-  With direct calls the step took 0.9 ms, against 1.5 ms through dynamo and 0.8 ms fused,
-  timed alternately in one process. So when a graph has been compiled, :class:`DirectCall`
-  records where
-  each of its inputs comes from (the lr, the counts, the i-th parameter, gradient or named
-  state), and later steps gather the inputs from the group's lists and call the compiled
-  kernels themselves, after the checks that stand for dynamo's: the same hyperparameters,
-  every tensor of the same dtype, device, shape and strides (checked in C++), no new state
-  keys, the same global state (grad mode, default device, no torch-function or dispatch
-  mode). A step that fails a check, or a graph whose guards cover anything else (an
-  attribute of the optimizer, a global constant) or that has side effects, goes through
-  dynamo as before: the direct call is an optimization, never a second semantics.
-* **Compilation is counted and timed** (:attr:`CompiledUpdate.compiles`,
-  :attr:`CompiledUpdate.compile_seconds`), so that benchmarks keep it out of step times.
-  TorchInductor's FX-graph cache keeps the compiled kernels on disk: another process that
-  compiles the same update reuses them.
+* **Each optimizer has its own graphs**: ``torch.compile(..., isolate_recompiles=True,
+  recompile_limit=64)`` where torch takes them (2.13 and later), so that many optimizers of
+  one class in a process (a lab's race, a test file) do not share dynamo's limit of 8
+  graphs per function. An older torch has neither argument: there every graph of one
+  ``update`` counts against one limit per process, and a ninth would fail to compile (the
+  floor torch's run of ``tests/optim/test_compiled.py`` did, at its ninth Adam). So on such
+  a torch the limit is raised to :data:`RECOMPILE_LIMIT` while an optimizer's step goes
+  through dynamo, and restored after it (``torch._dynamo.config.recompile_limit``, the
+  setting torch's troubleshooting guide names; a torch without it fails that test).
+* **TorchInductor's options go through torch.compile's own** ``options``: its wrapper's
+  size and alignment checks of every input (one Python call per tensor) are off, since
+  dynamo's guards, or a direct call's checks, have checked the same before the call.
+* **Compilation is counted and timed** (:attr:`CompiledUpdate.compiles`, from dynamo's
+  ``guard_filter_fn``, called once per graph; :attr:`CompiledUpdate.compile_seconds`), so
+  that benchmarks keep it out of step times. TorchInductor's FX-graph cache keeps the
+  compiled kernels on disk: another process that compiles the same update reuses them.
+
+**One private piece remains: warm steps of the library's own updates call the compiled
+kernels directly** (:class:`DirectCall`). Every call of a ``torch.compile``\ d function
+first evaluates dynamo's guards (is every input still of the type, shape and value the
+graph was traced for?) and gathers the graph's inputs, here every state tensor found in
+``optimizer.state`` by walking its keys: a fixed cost per step, which weighs most where the
+step is short. ``benchmarks/compiled.py`` times both paths, the direct call (*compiled*)
+and the same optimizer through torch's public interfaces alone (*compiled, dynamo's
+guards*: a class defined outside this package). In its run of 2026-11-26 22:17 UTC
+(``benchmarks/results/compiled.md``, CPU), through dynamo's guards the four rows of the
+fused goal took 1.08 to 1.30 times torch's fused kernels' time on the 1M-parameter ResNet
+(65 tensors) and 1.00 to 1.12 on the 10M GPT (148 tensors); with direct calls 0.92 to 1.12
+and 0.95 to 1.06 (goal: at most 1.1). So for an optimizer of this package (whose ``update``
+reads only its group, parameters, gradients, state and step counts), the graph compiled for
+a group is kept with where each of its inputs comes from, and later steps gather the inputs
+from the group's lists and call the kernels themselves, after checks that stand for
+dynamo's guards: the same hyperparameters, as many state entries, every input tensor of the
+dtype, device, shape and strides it was compiled for, the same global state, no
+torch-function mode. The piece uses two private interfaces of torch:
+``torch._dynamo.lookup_backend("inductor")`` with ``config_patches`` (the composition of
+TorchInductor in a custom backend that torch's documentation on custom backends shows: a
+backend receives the graph and its inputs, which is how a direct call learns them) and
+``torch._C._dynamo.guards.TensorGuards`` (dynamo's own C++ check of the inputs' metadata:
+for the 445 inputs of SGD with momentum's graph on the 10M GPT, 33 µs a check, against 195
+µs for the same comparisons in Python, measured when it was written). On CUDA the gain is
+not measured yet (no GPU run so far; ``make test-gpu`` runs the benchmark's 50M rows
+there). A step that fails a check goes through dynamo; so does a graph whose compilation
+changed the state's entries (a side effect a direct call would not replay), and every step
+of a subclass defined outside this package: the direct call is an optimization, never a
+second semantics. Its test (``tests/optim/test_compiled.py``) requires every optimizer of
+the package to take it from its third step on, so a torch that breaks either interface
+fails the test rather than falling back unseen. (On a torch before 2.13, the recompile
+limit above is the one other private setting, and its test is the same file's, on the floor
+torch.)
 
 Where compiling is impossible (no C++ compiler for TorchInductor's CPU kernels, a
 platform torch.compile does not support, an operation the tracer rejects, an optimizer
@@ -64,32 +94,84 @@ whose step is not a per-group ``update``), the optimizer warns once, with the re
 
 from __future__ import annotations
 
+import inspect
 import operator
-import re
 import time
 import warnings
 from array import array
-from collections.abc import Sequence
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor
 
-__all__ = ["CompileWarning", "CompiledUpdate", "DirectCall", "compute_once", "computed_once"]
+__all__ = ["CompileWarning", "CompiledUpdate", "DirectCall", "computed_once", "map_once"]
 
-# Each graph is cached on the code of ``update``, shared by every instance of a class: a
-# process that builds many optimizers of one class (a lab's race, a test file) compiles one
-# graph per instance and parameter group, more than torch's default limit of 8
+# The most graphs one optimizer compiles (one per parameter group, and one more each time a
+# group's constants change), where torch.compile takes a limit per function (2.13 and later);
+# before, the most graphs of one update in a process
 RECOMPILE_LIMIT = 64
 
 # TorchInductor's options for these graphs. Its wrapper checks the size and stride of every
-# input before the kernels run (one Python call per tensor: 600 for Adam on a model of 148
-# tensors); dynamo's guards have checked the same sizes and strides before the call, so the
-# second check only costs time. Applied per compilation, never to the user's process.
-INDUCTOR_PATCHES = {"size_asserts": False, "alignment_asserts": False}
+# input before the kernels run (one Python call per tensor: 445 for SGD with momentum on a
+# model of 148 tensors); dynamo's guards, or a direct call's checks, have checked the same
+# sizes and strides before the call, so the second check only costs time.
+INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
+
+# The package whose optimizers' warm steps may call their kernels directly (DirectCall)
+LIBRARY = __name__.rpartition(".")[0]
 
 
 class CompileWarning(UserWarning):
     """``compile=True`` could not compile: the optimizer runs its eager update instead."""
+
+
+def computed_once(values):
+    """``values`` (a tensor, a list of tensors or a number), computed once per step on the
+    compiled path: TorchInductor stores each tensor in memory before the loops over the
+    parameters' elements, which read it from there, instead of recomputing it in every loop
+    that reads it. Eagerly, and for Python numbers, ``values`` itself.
+
+    TorchInductor inlines a small value into each loop that reads it unless the value is
+    *realized* (stored in a buffer of its own); a strided view of a value refers to its
+    storage, so ``as_strided`` realizes it. An update calls this where it hands the loops a
+    value computed from the learning rate, the step counts or a reduction."""
+    if not torch.compiler.is_compiling():
+        return values
+    if isinstance(values, Tensor):
+        return values.as_strided(values.shape, values.stride())
+    if isinstance(values, (list, tuple)):  # the same value, repeated, stored once
+        out: list = []
+        previous = None
+        for x in values:
+            out.append(out[-1] if out and x is previous else computed_once(x))
+            previous = x
+        return out
+    return values  # a Python number: a constant of the graph
+
+
+def map_once(f, xs: list) -> list:
+    """``[f(x) for x in xs]``: on the compiled path computed once per distinct ``x`` and
+    stored (:func:`computed_once`). The parameters of a group share one count tensor when
+    their counts are equal (the usual case), so a bias correction mapped over the counts is
+    one value for the group, not one per tensor (each stored value costs the compiled step
+    a buffer: measured 0.24 ms a step on Adam's 148 tensors). Eagerly the comprehension
+    itself."""
+    if not torch.compiler.is_compiling():
+        return [f(x) for x in xs]
+    out: list = []
+    previous = None
+    for x in xs:
+        out.append(out[-1] if out and x is previous else computed_once(f(x)))
+        previous = x
+    return out
+
+
+def isolated() -> dict:
+    """torch.compile's arguments that give each optimizer its own graphs and its own limit
+    of them, where this torch takes them (2.13 and later); none before."""
+    names = inspect.signature(torch.compile).parameters
+    if "isolate_recompiles" in names and "recompile_limit" in names:
+        return dict(recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True)
+    return {}
 
 
 class CompiledUpdate:
@@ -99,7 +181,6 @@ class CompiledUpdate:
     ``compiles`` counts the graphs compiled for it and ``compile_seconds`` the time of the
     steps that compiled one (tracing, code generation and the C++ compiler, or the cache);
     ``failure`` is the reason compiling failed (then every step runs eagerly), or None;
-    ``graphs`` holds the graphs given to TorchInductor (after :func:`compute_once`);
     ``direct_steps`` counts the steps that called the compiled kernels directly
     (:class:`DirectCall`), and ``no_direct`` says why the graph compiled last is not called
     so (empty when it is).
@@ -115,45 +196,54 @@ class CompiledUpdate:
         self.failure: str | None = None
         self.warm: set[int] = set()  # ids of the parameters whose state exists
         self.per_step: tuple[Tensor, ...] = ()  # this step's lr and counts, while it runs
-        self.graphs: list[fx.GraphModule] = []
         self.direct: dict[int, list[DirectCall]] = {}  # by id of the parameter group
-        self.direct_steps = 0  # steps that called the compiled kernels directly
+        self.direct_steps = 0
         self.call: tuple = ()  # this step's (group, params, grads, states), while it runs
-        self.recorded: list[tuple] = []  # (kernels, where its inputs come from, or why not)
-        self.guards: list | None = None  # dynamo's guards of the graph compiled last
-        self.no_direct = ""  # why the graph compiled last is not called directly, if it is not
+        self.recorded: list[tuple] = []  # (kernels, where their inputs come from, or why not)
         self.fn = optimizer.update
+        self.shared_limit = not isolated()  # before torch 2.13: one limit per process
+        # this package's updates read only their arguments, state and counts (DirectCall)
+        self.direct_calls = type(optimizer).__module__.startswith(LIBRARY + ".")
+        self.no_direct = (
+            "" if self.direct_calls else f"{type(optimizer).__name__} is not {LIBRARY}'s"
+        )
         if optimizer.not_compilable:
             self.fail(optimizer.not_compilable)
             return
+        options: dict = {"guard_filter_fn": self.new_graph}
+        if self.direct_calls:
+            backend = self.compile_graph
+        else:  # torch's public path alone
+            backend = self.backend_name
+            options.update(INDUCTOR_OPTIONS if backend == "inductor" else {})
         try:  # torch.compile refuses some platforms (Python versions) outright
             self.fn = torch.compile(
                 optimizer.update,
                 fullgraph=True,
-                # never dynamic: a second graph of the same code (another instance, other
-                # shapes or hyperparameters) is specialized like the first, not made generic
+                # never dynamic: a second graph of the same code (other shapes or
+                # hyperparameters) is specialized like the first, not made generic
                 dynamic=False,
-                backend=self.backend,
-                options={"guard_filter_fn": self.read_guards},
+                backend=backend,
+                options=options,
+                **isolated(),
             )
         except Exception as error:  # noqa: BLE001 - any refusal falls back, with its reason
             self.fail(f"torch.compile is not available here ({describe(error)})")
 
-    def backend(self, graph, example_inputs):
-        graph = compute_once(graph, example_inputs, self.per_step)
-        compiled = torch._dynamo.lookup_backend(self.backend_name)(
-            graph, example_inputs, config_patches=INDUCTOR_PATCHES
-        )
-        self.graphs.append(graph)
-        self.compiles += 1  # counted once it succeeded: dynamo may retry a failed attempt
-        where = side_effects() or sources(example_inputs, self.per_step, *self.call)
-        self.recorded.append((compiled, where))
-        return compiled
+    def compile_graph(self, graph, example_inputs):
+        """The backend of this package's optimizers: TorchInductor's kernels for the graph
+        dynamo traced, kept with where each of its inputs comes from (for
+        :class:`DirectCall`). Private: ``lookup_backend`` and its ``config_patches``."""
+        patches = {"config_patches": INDUCTOR_OPTIONS} if self.backend_name == "inductor" else {}
+        kernels = torch._dynamo.lookup_backend(self.backend_name)(graph, example_inputs, **patches)
+        self.recorded.append((kernels, sources(example_inputs, self.per_step, *self.call)))
+        return kernels
 
-    def read_guards(self, entries) -> list[bool]:
-        """dynamo's guards of a new graph, read (for :class:`DirectCall`), all kept."""
-        self.guards = list(entries)
-        return [True] * len(entries)
+    def new_graph(self, guards) -> list[bool]:
+        """dynamo's guards of a graph it just compiled (torch.compile's public
+        ``guard_filter_fn``, called once per graph): the graph counted, every guard kept."""
+        self.compiles += 1
+        return [True] * len(guards)
 
     def fail(self, reason: str) -> None:
         self.failure = reason
@@ -181,10 +271,10 @@ class CompiledUpdate:
         self.per_step = (lr, count_input) if counts else (lr,)
         try:
             direct = self.direct.get(id(group), ())
-            if not any(call(group, params, grads, states, self.per_step) for call in direct):
-                self.compiled_step(group, params, grads, states)
-            else:
+            if any(call(group, params, grads, states, self.per_step) for call in direct):
                 self.direct_steps += 1
+            else:
+                self.compiled_step(group, params, grads, states)
         finally:
             opt.step_counts = None
             self.per_step = ()
@@ -194,13 +284,15 @@ class CompiledUpdate:
 
     def compiled_step(self, group: dict, params: list, grads: list, states: list) -> None:
         """The step through dynamo (its guards, and a compilation where they fail); a graph
-        compiled here is recorded for direct calls (:class:`DirectCall`) when it can be."""
+        compiled here is kept for direct calls (:class:`DirectCall`) when it can be."""
         opt = self.optimizer
         before, start = self.compiles, time.perf_counter()
-        config = torch._dynamo.config
-        limit = config.recompile_limit  # set and restored directly: config.patch costs 40 us
-        config.recompile_limit = max(RECOMPILE_LIMIT, limit)
-        self.call, self.recorded, self.guards = (group, params, grads, states), [], None
+        self.call, self.recorded = (group, params, grads, states), []
+        entries = state_entries(states) if self.direct_calls else None
+        if self.shared_limit:  # set and restored directly: config.patch costs 40 us a step
+            config = torch._dynamo.config
+            limit = config.recompile_limit
+            config.recompile_limit = max(RECOMPILE_LIMIT, limit)
         try:
             self.fn({**group, "lr": self.per_step[0]}, params, grads)
         except Exception as error:
@@ -210,16 +302,17 @@ class CompiledUpdate:
             opt.update(group, params, grads)
             return
         finally:
-            config.recompile_limit = limit
             self.call = ()
+            if self.shared_limit:
+                config.recompile_limit = limit
         if self.compiles > before:
             self.compile_seconds += time.perf_counter() - start
-            if len(self.recorded) == 1 and self.guards is not None:
+            if len(self.recorded) == 1:
                 ((kernels, where),) = self.recorded
-                if not isinstance(where, str):
-                    where = unchecked(self.guards) or where
+                if entries is not None and state_entries(states) != entries:
+                    where = "its compilation changed the state's entries (a side effect)"
                 self.record(kernels, where, group, params, grads, states)
-        self.recorded, self.guards = [], None
+        self.recorded = []
 
     def record(self, kernels, where, group, params, grads, states) -> None:
         """Keep the graph just compiled for direct calls, or the reason it cannot be."""
@@ -228,7 +321,7 @@ class CompiledUpdate:
             return
         try:
             call = DirectCall(kernels, where, group, states, self.per_step, params, grads)
-        except Exception as error:  # noqa: BLE001 - another torch: dynamo's path, never a crash
+        except Exception as error:  # noqa: BLE001 - another torch: dynamo's path; tested
             self.no_direct = describe(error)
             return
         self.no_direct = ""
@@ -237,26 +330,27 @@ class CompiledUpdate:
 
 class DirectCall:
     """A compiled graph of one parameter group, called without dynamo: the inputs gathered
-    from the group's lists, after checks that stand for dynamo's guards.
+    from the group's lists, after checks that stand for dynamo's guards (the module
+    docstring says why, and what it measured).
 
     ``where`` says where each input of the graph comes from: ``("per_step", i)`` (the lr,
-    the counts), ``("params", i)``, ``("grads", i)`` or ``("state", i, name)``. The checks,
-    each cheap: the group's hyperparameters (other than lr) equal those the graph was traced
-    with; each parameter's state has as many entries; the global state dynamo guards (grad
-    mode, autocast, deterministic algorithms, default device; no torch-function or dispatch
-    mode) is the same; the inputs are distinct tensors; every input has the dtype, device,
-    shape and strides the graph was compiled for (dynamo's own C++ tensor check). A call
-    that fails one returns False, and the step goes through dynamo.
+    the counts), ``("params", i)``, ``("grads", i)`` or ``("state", i, name)``. The checks:
+    the group's hyperparameters (all but lr) equal those the graph was traced with; each
+    parameter's state has as many entries; grad mode, the default dtype, autocast and
+    deterministic algorithms are as they were; no torch-function mode is active (a default
+    device set by ``torch.set_default_device`` is one); the inputs are distinct tensors, each
+    of the dtype, device, shape and strides the graph was compiled for (dynamo's own C++
+    check, ``TensorGuards``). A call that fails one returns False, and the step goes
+    through dynamo.
     """
 
     def __init__(self, kernels, where, group, states, per_step, params, grads):
-        from torch._C._dynamo.guards import GlobalStateGuard, TensorGuards
+        from torch._C._dynamo.guards import TensorGuards
 
         self.kernels = kernels
         self.hyper = hyperparameters(group)
         self.lens = list(map(len, states))
-        self.default_device = torch.utils._device.CURRENT_DEVICE
-        self.global_state = GlobalStateGuard()
+        self.global_state = global_state(params[0].device)
         by_name: dict[str, list[int]] = {}
         for place in where:
             if place[0] == "state":
@@ -296,10 +390,8 @@ class DirectCall:
             if (
                 hyperparameters(group) != self.hyper
                 or list(map(len, states)) != self.lens
-                or not self.global_state.check()
-                or torch.utils._device.CURRENT_DEVICE is not self.default_device
-                or torch._C._len_torch_function_stack()
-                or torch._C._len_torch_dispatch_stack()
+                or global_state(params[0].device) != self.global_state
+                or torch.overrides.has_torch_function_unary(params[0])
             ):
                 return False
             inputs = self.gather(per_step, params, grads, states)
@@ -318,6 +410,24 @@ def hyperparameters(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params" and k != "lr"}
 
 
+def global_state(device: torch.device) -> tuple:
+    """The process-wide settings that dynamo guards and that could change what a graph
+    computes: grad mode, the default dtype, autocast on ``device``'s type, deterministic
+    algorithms."""
+    return (
+        torch.is_grad_enabled(),
+        torch.get_default_dtype(),
+        torch.is_autocast_enabled(device.type),
+        torch.are_deterministic_algorithms_enabled(),
+    )
+
+
+def state_entries(states: list[dict]) -> list[list[tuple]]:
+    """Each state's entries, as (name, identity of the value): what an update that changes
+    the state (a side effect, which dynamo replays after its graph) changes."""
+    return [[(k, id(v)) for k, v in state.items()] for state in states]
+
+
 def sources(example_inputs, per_step, group, params, grads, states) -> list[tuple] | str:
     """Where each input of a graph comes from (see :class:`DirectCall`), or why one of them
     comes from none of the places a direct call gathers from."""
@@ -334,254 +444,17 @@ def sources(example_inputs, per_step, group, params, grads, states) -> list[tupl
     return where
 
 
-# dynamo's guards that a direct call's checks stand for: on the group, the parameters,
-# gradients, states and counts (every tensor's metadata, the hyperparameters, the state's
-# entries); on the global state (checked as dynamo does); on code (modules, functions,
-# classes and their defaults, which a run does not rebind) and on the optimizer's identity
-RECHECKED = re.compile(
-    r"(group|params|grads|self\.state|self\.step_counts)\b|list\(dict\.keys\(self\.state\)\)"
-)
-GLOBAL_GUARDS = {"GLOBAL_STATE", "GRAD_MODE", "DETERMINISTIC_ALGORITHMS", "TORCH_FUNCTION_STATE",
-                 "DEFAULT_DEVICE", "AUTOGRAD_SAVED_TENSORS_HOOKS", "SHAPE_ENV",
-                 "TORCH_FUNCTION_MODE_STACK"}  # fmt: skip
-CODE_GUARDS = {"ID_MATCH", "TYPE_MATCH", "CLOSURE_MATCH", "BUILTIN_MATCH", "CLASS_MATCH",
-               "MODULE_MATCH", "FUNCTION_MATCH", "DUPLICATE_INPUT", "SEQUENCE_LENGTH",
-               "NOT_PRESENT_IN_GENERIC_DICT", "DICT_CONTAINS", "DICT_NOT_CONTAINS"}  # fmt: skip
-
-
-def unchecked(guards) -> str | None:
-    """Why a direct call could not stand for one of dynamo's ``guards`` (the first such
-    guard), or None: a guard on an attribute of the optimizer or on a global constant."""
-    for guard in guards:
-        name, kind = guard.name, guard.guard_type
-        if not name:
-            ok = kind in GLOBAL_GUARDS
-        elif name == "self":
-            ok = kind in ("ID_MATCH", "TYPE_MATCH", "NOT_PRESENT_IN_GENERIC_DICT")
-        elif RECHECKED.match(name):
-            ok = True
-        elif name.startswith("self."):
-            ok = False  # an attribute of the optimizer: its value may change
-        else:  # globals, closures (super's __class__), classes: code, and its defaults
-            ok = kind in CODE_GUARDS or "__defaults__" in name
-        if not ok:
-            return f"dynamo guards {name or kind} ({kind}), which a direct call does not check"
-    return None
-
-
-def side_effects() -> str | None:
-    """Why the graph being compiled cannot be called directly because of what dynamo runs
-    around it (a change to a Python object: a state entry set, an attribute), or None."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        if InstructionTranslator.current_tx().output.side_effects.is_empty():
-            return None
-        return "the update changes Python objects, which dynamo replays after the graph"
-    except Exception as error:  # noqa: BLE001 - another torch: no direct calls, never a crash
-        return f"dynamo's side effects are not readable here ({describe(error)})"
-
-
 def step_counts(steps: array, device) -> tuple[list[Tensor] | Tensor, Tensor]:
     """The step counts as the graph reads them (one 0-d tensor per parameter), and the
     tensor they come from. When all counts are equal (the usual case) every parameter gets
-    the same 0-d tensor: the graph then has one count and computes each bias correction
-    once, not once per tensor (:func:`compute_once` merges the copies). Unequal counts (a
-    parameter that missed steps) are the elements of one tensor, and compile a second
-    graph."""
+    the same 0-d tensor: the graph then has one input for them. Unequal counts (a parameter
+    that missed steps) are the elements of one tensor, and compile a second graph."""
     if len(set(steps)) == 1:
         count = torch.tensor(steps[0], dtype=torch.float64, device=device)
         return [count] * len(steps), count
     # from the buffer: 2.5x quicker than torch.tensor reads a list of Python numbers
     counts = torch.frombuffer(steps, dtype=torch.float64).to(device)
     return counts, counts
-
-
-def computed_once(values: Tensor) -> Tensor:
-    """``values`` itself (a view of all of it): in a graph compiled by TorchInductor, a value
-    that its loops read from memory, computed once before them, instead of recomputing it
-    for every element they visit.
-
-    TorchInductor inlines a pointwise value into each loop that reads it, unless the value is
-    *realized* (stored in a buffer of its own); a strided view of a value needs its storage,
-    so ``as_strided`` realizes it. Eagerly it is a view, which costs nothing."""
-    return values.as_strided(values.shape, values.stride())
-
-
-# In-place operations whose names do not end in an underscore
-IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-            operator.ipow}  # fmt: skip
-
-# Values of at most this many elements, computed from the per-step inputs or from
-# reductions, are computed once (trust ratios, RMS, norms' ratios, factored means)
-SMALL = 4096
-
-
-def compute_once(
-    graph: fx.GraphModule, example_inputs: Sequence, per_step: Sequence[Tensor]
-) -> fx.GraphModule:
-    r"""``graph`` (traced by dynamo) with its small values computed once, before the loops that
-    read them: a new graph, or ``graph`` itself when there are none.
-
-    Two kinds of values, each of at most :data:`SMALL` elements, made by operations that
-    change nothing in place:
-
-    * those derived from the tensors ``per_step`` (the learning rate, the step counts: bias
-      corrections, Adafactor's relative step, NAdam's momentum schedule) and from states of
-      one element (NAdam's running product :math:`\Pi_t`, read after it is updated in
-      place), through any arithmetic on them; the same operation on the same values is kept
-      once (:func:`merge_copies`: an update that computes a bias correction per tensor,
-      from one count, computes it once);
-    * those computed from reductions of the large arrays (norms, means) and from such values:
-      LARS's and LAMB's trust ratios, Adafactor's RMS and clipping.
-
-    Each one the rest of the graph reads passes through :func:`computed_once`, and the loops
-    read it from memory. A value changed in place later is left as it is: its readers after
-    the change must see the change. A value stored is computed where the update computes it,
-    so a state changed in place gives the values the update reads there.
-    """
-    inputs = graph.graph.find_nodes(op="placeholder")
-    sources = {
-        node
-        for node, x in zip(inputs, example_inputs)
-        if any(x is y for y in per_step) or (isinstance(x, Tensor) and x.numel() == 1)
-    }
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    g.output(g.graph_copy(graph.graph, env))
-    sources = {env[node] for node in sources}
-    position = {node: i for i, node in enumerate(g.nodes)}
-    last_write: dict[fx.Node, int] = {}
-    for node in g.nodes:
-        if mutates(node):
-            last_write.update({x: position[node] for x in written(node)})
-    written_nodes = set(last_write)
-
-    def derived_from(sources: set) -> set:
-        # a value read from a source before the source's last change in place is not the
-        # source's value for the rest of the graph: only reads after it count
-        derived = set(sources)
-        for node in g.nodes:
-            ins = node.all_input_nodes
-            if computes(node) and ins and set(ins) <= derived:
-                if all(last_write.get(x, -1) < position[node] for x in ins if x in sources):
-                    derived.add(node)
-        return derived
-
-    derived = derived_from(sources)  # from the per-step inputs and one-element states
-    # the same operation on the same values is one value only when no value changes between
-    clean = derived_from(sources - written_nodes) - sources
-    merge_copies(g, {node for node in clean if not set(node.all_input_nodes) & written_nodes})
-    derived &= set(g.nodes)  # without the copies merge_copies erased
-    once = set(derived)  # and from reductions
-    for node in g.nodes:
-        if node in once or not computes(node) or not node.all_input_nodes:
-            continue
-        if reduces(node) or set(node.all_input_nodes) <= once:
-            once.add(node)
-    once -= written_nodes
-    made = []
-    for node in [node for node in g.nodes if node in once and node not in sources]:
-        readers = [user for user in node.users if user not in once]
-        # a reduction's result is in memory already: TorchInductor stores every reduction
-        if reduces(node) or not readers or not is_small(node, tensor=True):
-            continue
-        with g.inserting_after(node):
-            stored = g.call_function(computed_once, (node,))
-        stored.meta = dict(node.meta)
-        node.replace_all_uses_with(stored, lambda user, readers=readers: user in readers)
-        made.append(stored)
-    if not made:
-        return graph
-    g.lint()
-    return fx.GraphModule(graph, g)
-
-
-def computes(node: fx.Node) -> bool:
-    """Whether ``node`` is an operation that makes a new small value: not in place, not a
-    view of another value (a view follows the changes of what it views), and small."""
-    return (
-        node.op in ("call_function", "call_method")
-        and not mutates(node)
-        and is_small(node)
-        and not (is_view(node) and not all(x.op == "placeholder" for x in node.all_input_nodes))
-    )
-
-
-def reduces(node: fx.Node) -> bool:
-    """Whether ``node``'s values have fewer elements than one of its inputs: a reduction (a
-    norm, a mean), or an element picked out of a larger tensor."""
-    if node.target is operator.getitem:
-        return False  # one tensor of a list (or a view: never a new value)
-    largest = [max(numels(x), default=0) for x in node.all_input_nodes]
-    return max(numels(node), default=0) < max(largest, default=0)
-
-
-def numels(node: fx.Node) -> list[int]:
-    """The number of elements of each tensor in ``node``'s value (a tensor or a list)."""
-    value = node.meta.get("example_value")
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return [x.numel() for x in values if isinstance(x, Tensor)]
-
-
-def is_view(node: fx.Node) -> bool:
-    """Whether ``node``'s value (or one of its values) is a view of another tensor."""
-    value = node.meta.get("example_value")
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return any(isinstance(x, Tensor) and x._is_view() for x in values)
-
-
-def merge_copies(g: fx.Graph, nodes: set[fx.Node]) -> None:
-    """Replace each of ``nodes`` that repeats an earlier one (the same operation on the same
-    arguments) by that one: an update computes its bias corrections once per tensor, from
-    the same count when the counts are equal (:func:`step_counts`)."""
-    seen: dict[tuple, fx.Node] = {}
-    for node in list(g.nodes):
-        if node not in nodes:
-            continue
-        key = (node.op, node.target, repr(node.args), repr(node.kwargs))
-        if key in seen:
-            node.replace_all_uses_with(seen[key])
-            g.erase_node(node)
-            nodes.discard(node)
-        else:
-            seen[key] = node
-
-
-def mutates(node: fx.Node) -> bool:
-    """Whether ``node`` writes into one of its arguments (``x.add_(y)``, ``out=x``)."""
-    if node.op == "call_method":
-        name = node.target
-    elif node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
-        if node.target in IN_PLACE or (schema is not None and schema.is_mutable):
-            return True
-        if getattr(node.target, "__module__", None) in ("operator", "_operator"):
-            return False  # operator.and_, operator.or_: x & y, x | y
-        name = getattr(node.target, "__name__", "")
-    else:
-        return False
-    return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs
-
-
-def written(node: fx.Node) -> list[fx.Node]:
-    """The nodes an in-place ``node`` may write: its first argument and ``out``."""
-    found: list[fx.Node] = []
-    fx.node.map_arg((node.args[:1], node.kwargs.get("out")), found.append)
-    return found
-
-
-def is_small(node: fx.Node, limit: int = SMALL, tensor: bool = False) -> bool:
-    """Whether ``node``'s value is a tensor (or, unless ``tensor``, a list of tensors) of at
-    most ``limit`` elements each, with a known shape."""
-    value = node.meta.get("example_value")
-    values = [value] if isinstance(value, Tensor) or tensor else value
-    if not isinstance(values, (list, tuple)) or not values:
-        return False
-    return all(
-        isinstance(x, Tensor) and all(isinstance(d, int) for d in x.shape) and x.numel() <= limit
-        for x in values
-    )
 
 
 def is_compile_error(error: Exception) -> bool:
@@ -599,5 +472,7 @@ def is_compile_error(error: Exception) -> bool:
 
 def describe(error: Exception) -> str:
     """The error's type and the first line of its message, for the warning."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    # a wrapped error (a backend's) says what it wraps on its second line
+    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else "".join(lines[:1])
+    return f"{type(error).__name__}: {text[:300]}"

@@ -62,6 +62,7 @@ from collections.abc import Sequence
 import torch
 
 from .base import Optimizer
+from .compiled import computed_once
 from .layerwise import ratio_of_norms
 from .pieces import adam_denominator, adam_moments_, addcdiv_, decoupled_weight_decay_
 
@@ -145,12 +146,12 @@ class LAMB(Optimizer):
             addcdiv_(params, m, denom, [-lr / c for c in bc1])
             return
         # Layer by layer, as the paper writes it. Each layer's arrays stay in the caches from
-        # its moments to its step (2x faster than a _foreach pass per line at 10M
-        # parameters), and compiled, each layer becomes two loops, the moments with the two
-        # norms, then the step (u_t recomputed, never stored): the least memory traffic.
+        # its moments to its step (fewer trips to memory than a _foreach pass per line:
+        # benchmarks/README.md), and compiled, each layer becomes two loops, the moments with
+        # the two norms, then the step (u_t recomputed, never stored): the least traffic.
         # The trust ratios of a run of small consecutive layers are computed together, one
-        # pass of small operations for the run instead of one per layer (eagerly, Lab 4b's
-        # GPT of 28 tensors: 4.8 -> 3.2 ms a step, interleaved at load 3).
+        # pass of small operations for the run instead of one per layer: on small layers the
+        # fixed cost of each operation, not memory, sets the step's time.
         # r_t is computed as (sqrt(c2) / c1) m_t / (sqrt(v_t) + sqrt(c2) eps), the same
         # value with one division per element instead of two (v_t / c2 is gone)
         for run in layer_runs(params):
@@ -159,17 +160,18 @@ class LAMB(Optimizer):
                 w, g, m_i, v_i, c1, c2 = params[i], grads[i], m[i], v[i], bc1[i], bc2[i]
                 m_i.lerp_(g, 1 - beta1)  # m_t
                 v_i.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v_t
-                u = torch.sqrt(v_i).add_(eps * c2**0.5)  # sqrt(c2) (sqrt(v_hat) + eps)
+                # sqrt(c2) (sqrt(v_hat) + eps)
+                u = torch.sqrt(v_i).add_(computed_once(eps * c2**0.5))
                 torch.div(m_i, u, out=u)  # in u's memory
                 if group["bias_correction"]:
-                    u.mul_(c2**0.5 / c1)  # r_t = m_hat / (sqrt(v_hat) + eps)
+                    u.mul_(computed_once(c2**0.5 / c1))  # r_t = m_hat / (sqrt(v_hat) + eps)
                 if lam:
                     u.add_(w, alpha=lam)  # u_t = r_t + lam w
                 us.append(u)
             w_norm = torch.stack([torch.linalg.vector_norm(w) for w in ws])
             u_norm = torch.stack([torch.linalg.vector_norm(u) for u in us])
-            tau = ratio_of_norms(w_norm, u_norm, group["clamp"]).unbind()  # phi(||w||) / ||u||
-            for w, u, tau_i in zip(ws, us, tau, strict=True):
+            tau = ratio_of_norms(w_norm, u_norm, group["clamp"])  # phi(||w||) / ||u||
+            for w, u, tau_i in zip(ws, us, computed_once(tau).unbind(), strict=True):
                 w.sub_(u.mul_(lr * tau_i))  # w -= lr tau u
 
 

@@ -26,6 +26,7 @@ import torch
 
 from .._util import check_nonnegative
 from .base import Optimizer
+from .compiled import computed_once
 from .pieces import (
     adam_denominator,
     adam_moments_,
@@ -120,9 +121,9 @@ class NAdam(Optimizer):
         # sqrt(c2): sqrt(v_hat) + eps = (sqrt(v_t) + sqrt(c2) eps) / sqrt(c2)
         sqrt_c2 = [c**0.5 for c in bc2]
         step = torch._foreach_add(
-            torch._foreach_mul(grads, [s * c for s, c in zip(s_g, sqrt_c2)]),
-            torch._foreach_mul(m, [s * c for s, c in zip(s_m, sqrt_c2)]),
+            torch._foreach_mul(grads, computed_once([s * c for s, c in zip(s_g, sqrt_c2)])),
+            torch._foreach_mul(m, computed_once([s * c for s, c in zip(s_m, sqrt_c2)])),
         )
         denom = torch._foreach_sqrt(v)
-        torch._foreach_add_(denom, [eps * c for c in sqrt_c2])
+        torch._foreach_add_(denom, computed_once([eps * c for c in sqrt_c2]))
         torch._foreach_addcdiv_(params, step, denom)

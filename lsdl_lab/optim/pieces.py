@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .compiled import computed_once, map_once
+
 __all__ = [
     "add_scaled_",
     "addcdiv_",
@@ -56,7 +58,7 @@ def addcdiv_(xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], scalars) -> N
     if isinstance(scalars, Tensor) or (
         isinstance(scalars, list) and isinstance(scalars[0], Tensor)
     ):
-        torch._foreach_addcdiv_(xs, torch._foreach_mul(ys, scalars), zs)
+        torch._foreach_addcdiv_(xs, torch._foreach_mul(ys, computed_once(scalars)), zs)
     else:
         torch._foreach_addcdiv_(xs, ys, zs, scalars)
 
@@ -73,7 +75,7 @@ def host_scalars(tensors: Tensor | list[Tensor]) -> list:
     one synchronization per tensor), the 0-d tensors themselves on the compiled path, where
     a copy to the host would end the graph."""
     if torch.compiler.is_compiling():
-        return list(tensors)
+        return list(computed_once(tensors))
     return (tensors if isinstance(tensors, Tensor) else torch.stack(tensors)).tolist()
 
 
@@ -85,7 +87,7 @@ def coupled_weight_decay(grads: list[Tensor], params: list[Tensor], lam: float) 
 def decoupled_weight_decay_(params: list[Tensor], lr: float, lam: float) -> None:
     r""":math:`w \leftarrow (1 - \eta\lambda)\, w`, in place."""
     if lam:
-        torch._foreach_mul_(params, 1 - lr * lam)
+        torch._foreach_mul_(params, computed_once(1 - lr * lam))
 
 
 def momentum(
@@ -139,6 +141,6 @@ def adam_denominator(v: list[Tensor], bc2: list[float], eps: float) -> list[Tens
     about one number in a thousand, and then so would the results.
     """
     denom = torch._foreach_sqrt(v)
-    torch._foreach_div_(denom, [c**0.5 for c in bc2])
+    torch._foreach_div_(denom, map_once(lambda c: c**0.5, bc2))
     torch._foreach_add_(denom, eps)
     return denom

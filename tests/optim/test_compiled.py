@@ -8,9 +8,15 @@ with a learning rate that changes every step (a schedule):
   compiler fuses and reorders the arithmetic, so results differ by rounding, not bit for
   bit); the state is the same, key for key and type for type;
 * one graph is compiled per parameter group, however the learning rate and the step
-  count change; what the graph derives from them alone (bias corrections: every ``pow``)
-  is computed once per step, not in the loops;
+  count change, and from the third step on every step calls its kernels directly (the one
+  private piece the path keeps: a torch that breaks it fails here, not silently);
+* every value an update derives from the per-step scalars or from a reduction by a power, a
+  square root or a division reaches the loops over the elements through ``computed_once``
+  (checked on the graph dynamo traces), and ``computed_once`` does make TorchInductor
+  compute a value once rather than in its loops (timed, with a margin of tens);
 * a run switches path on resume, either way, through ``state_dict``;
+* a changed hyperparameter, other strides, a new state entry, an attribute an update reads
+  or a side effect go through dynamo's guards, which compile again where needed;
 * where compiling is impossible (an optimizer that declares it, a missing C++ compiler, an
   operation the tracer rejects) one warning gives the reason, and the eager update runs.
 
@@ -19,17 +25,17 @@ TorchInductor cache), so each optimizer is compiled once per module, for both dt
 every test reads that run. ``LSDL_TEST_COMPILE=all`` adds the resume test of every
 optimizer (Adam's runs by default) and K-FAC's compiled momentum. The comparison of the two
 paths runs on every device of the ``device`` fixture (TorchInductor's C++ kernels on the
-CPU, its Triton kernels on CUDA, within the same tolerance); the tests of the graphs
-handed to TorchInductor and of the fallbacks stay on the CPU. No test reads the code
-TorchInductor generates: it differs between CPUs of other instruction sets (AVX2,
-AVX-512), and a test of it passed on one machine of this project and failed on another.
+CPU, its Triton kernels on CUDA, within the same tolerance); the tests of the graphs and of
+the fallbacks stay on the CPU. No test reads the code TorchInductor generates: it differs
+between CPUs of other instruction sets (AVX2, AVX-512), and a test of it passed on one
+machine of this project and failed on another.
 """
 
 from __future__ import annotations
 
 import io
-import operator
 import os
+import time
 import warnings
 
 import pytest
@@ -40,7 +46,7 @@ from torch import fx, nn
 
 from lsdl_lab import optim
 from lsdl_lab.models import MLP
-from lsdl_lab.optim.compiled import SMALL, CompileWarning, computed_once
+from lsdl_lab.optim.compiled import CompiledUpdate, CompileWarning, computed_once, isolated
 
 STEPS = 100
 SWITCH = 50  # the step at which a run changes path
@@ -80,8 +86,8 @@ CASES = {
 
 
 def compiler_settings() -> tuple:
-    """The process's settings that the compiled path changes while it compiles (dynamo's
-    recompile limit) or for its graphs alone (TorchInductor's size asserts)."""
+    """The process's settings that the compiled path sets for its own graphs alone (their
+    recompile limit, TorchInductor's size asserts), never for the process."""
     import torch._inductor.config
 
     return torch._dynamo.config.recompile_limit, torch._inductor.config.size_asserts
@@ -161,9 +167,9 @@ def run(name, compile, steps=range(STEPS), start=None, device="cpu"):
 @pytest.fixture(scope="module", autouse=True)
 def fresh_dynamo():
     """No compiled graph of this file outlives it (nor one of an earlier file enters it)."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     yield
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 RUNS = {}
@@ -188,25 +194,6 @@ def assert_close_run(a, b):
     assert_same_tree(opt_a.state_dict(), opt_b.state_dict(), tolerance=TOLERANCE)
 
 
-def ancestors(node) -> set:
-    seen, todo = set(), [node]
-    while todo:
-        for x in todo.pop().all_input_nodes:
-            if x not in seen:
-                seen.add(x)
-                todo.append(x)
-    return seen
-
-
-def powers_outside_the_loops(graph) -> tuple[int, int]:
-    """The ``pow`` operations of a compiled graph, and how many of them feed the values that
-    are computed once per step (:func:`~lsdl_lab.optim.compiled.computed_once`) alone."""
-    once = graph.graph.find_nodes(op="call_function", target=computed_once)
-    before = set().union(*(ancestors(node) for node in once))
-    pows = [n for n in graph.graph.nodes if n.target in (operator.pow, torch.pow, "pow")]
-    return len(pows), sum(n in before for n in pows)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_equals_eager_with_one_graph_per_group(name, device):
     eager, compiled = runs(name, device)
@@ -216,34 +203,20 @@ def test_compiled_equals_eager_with_one_graph_per_group(name, device):
     # 100 steps, a new learning rate and step count in each: one graph per group, no more
     assert opt.compiled.compiles == len(opt.param_groups)
     # called directly from the third step of each group on (the first creates the state,
-    # the second compiles): dynamo's guards stand for none of this optimizer's inputs
+    # the second compiles): a torch whose TensorGuards or lookup_backend changed fails here
     assert opt.compiled.no_direct == ""
     assert opt.compiled.direct_steps == len(opt.param_groups) * (STEPS - 2)
     assert opt.compiled.compile_seconds > 0
-    assert compiler_settings() == SETTINGS  # restored after every step, not left changed
-    # every power of a step count (a bias correction) is computed once per step, outside the
-    # loops over the elements
-    for graph in opt.compiled.graphs:
-        pows, outside = powers_outside_the_loops(graph)
-        assert outside == pows
+    assert compiler_settings() == SETTINGS  # the process's settings left as they were
     # and the run moved: a compiled update that did nothing would fail the comparison too,
     # but only if the eager run moved
     start = make_models(device)
     assert any(not torch.allclose(p, q) for p, q in zip(start.parameters(), eager[0].parameters()))
 
 
-def test_adams_bias_corrections_are_computed_once_per_step():
-    opt = runs("Adam")[1][1]
-    # every tensor's count is the same: beta1^t, beta2^t and the square root of 1 - beta2^t
-    # once for the group, not once per tensor, and before the loops
-    pows, outside = powers_outside_the_loops(opt.compiled.graphs[0])
-    assert len(opt.param_groups[0]["params"]) > 1 and pows == outside == 3
-
-
 def test_unequal_step_counts_get_their_own_bias_corrections():
     # b misses step 3, so from step 4 on its count is one behind a's: a second graph, with
-    # each tensor's corrections from its own count (each still computed once, before the
-    # loops), and the eager path's results
+    # each tensor's corrections from its own count, and the eager path's results
     results = []
     for compile in (False, True):
         torch.manual_seed(0)
@@ -257,9 +230,17 @@ def test_unequal_step_counts_get_their_own_bias_corrections():
     assert results[0][2:] == results[1][2:] == (6, 5)
     for x, y in zip(results[0][:2], results[1][:2]):
         torch.testing.assert_close(x, y, **TOLERANCE[torch.float64])
-    graphs = opt.compiled.graphs
-    assert opt.compiled.compiles == len(graphs) == 3  # [a, b] equal, [a], [a, b] unequal
-    assert [powers_outside_the_loops(g) for g in graphs] == [(3, 3), (3, 3), (6, 6)]
+    assert opt.compiled.compiles == 3  # [a, b] equal, [a] alone, [a, b] unequal
+
+
+# -- per-step scalars computed once: in the graphs, and in TorchInductor's loops -------------
+
+# A tensor of at most this many elements is a "small value" (a scalar, a norm per layer, a
+# factor of a matrix's rows); the test models' large tensors have more
+SMALL = 4096
+# Operations whose result, recomputed for every few elements of a loop, would cost more
+# than the memory traffic the loop is bound by
+COSTLY = {"pow", "sqrt", "rsqrt", "truediv", "div", "vector_norm", "norm", "mean", "reciprocal"}
 
 
 def value(node: fx.Node):
@@ -275,55 +256,142 @@ def largest(value) -> int:
     return 0
 
 
-def small_values_read_by_large_ones(graph) -> list[tuple[str, str]]:
-    """(small, large) pairs of a compiled graph: a value of at most ``SMALL`` elements
-    computed from the graph's inputs (a bias correction, a trust ratio, a coefficient)
-    that an operation on the large arrays reads directly rather than through
-    :func:`~lsdl_lab.optim.compiled.computed_once`. TorchInductor fuses such a value into
-    the loops over the elements and computes it there again for every few elements;
-    through ``computed_once`` the loops read it from memory. (Constants filled by a
-    ``*_like`` factory are not computed values.)"""
+def name_of(node: fx.Node) -> str:
+    target = node.target
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def is_stored(node: fx.Node) -> bool:
+    """Whether ``node`` is :func:`computed_once`'s view: the value TorchInductor stores."""
+    return node.op in ("call_method", "call_function") and name_of(node) == "as_strided"
+
+
+def unstored_costly_values(graph: fx.GraphModule) -> list[tuple[str, str]]:
+    """(small value, large operation) pairs of a graph dynamo traced: a small value that a
+    power, a square root, a division or a reduction made, from the graph's inputs and other
+    small values, and that an operation over a large tensor reads without a stored value
+    (:func:`computed_once`) between them. TorchInductor would recompute such a value in the
+    loops of the large operation, for every few elements."""
+    costly: dict[fx.Node, bool] = {}  # small value -> made by a costly op since a store
     pairs = []
     for node in graph.graph.nodes:
-        if node.op != "call_function" or not node.all_input_nodes:
+        if node.op not in ("call_function", "call_method"):
             continue
-        if node.target in (computed_once, operator.getitem) or "_like" in str(node.target):
+        size = largest(value(node))
+        ins = node.all_input_nodes
+        if "_like" in name_of(node):  # a constant filled by a factory, not a computed value
             continue
-        if not isinstance(value(node), torch.Tensor) or value(node).numel() > SMALL:
-            continue
-        pairs += [(node.name, u.name) for u in node.users if largest(value(u)) > SMALL]
+        if 0 < size <= SMALL and isinstance(value(node), torch.Tensor):
+            costly[node] = not is_stored(node) and (
+                name_of(node) in COSTLY
+                or any(costly.get(x, False) for x in ins)
+                or any(largest(value(x)) > SMALL for x in ins)  # a reduction of a large one
+            )
+        elif size > SMALL:
+            pairs += [(x.name, node.name) for x in ins if costly.get(x, False)]
+        else:  # a list of small values (a foreach op's): costly if any is
+            costly[node] = any(costly.get(x, False) for x in ins) and not is_stored(node)
     return pairs
 
 
 @pytest.mark.parametrize(
-    "make_opt, computed",
+    "make_opt",
     [
-        (lambda ps: optim.Adam(ps, lr=1e-2, compile=True), "pow"),
-        (lambda ps: optim.LARS(ps, lr=0.1, weight_decay=1e-4, compile=True), "truediv"),
-        (lambda ps: optim.NAdam(ps, lr=1e-2, compile=True), "truediv"),
+        lambda ps: optim.Adam(ps, lr=1e-2, weight_decay=1e-2, amsgrad=True, compile=True),
+        lambda ps: optim.AdamW(ps, lr=1e-2, compile=True),
+        lambda ps: optim.Adagrad(ps, lr=0.1, lr_decay=0.01, compile=True),
+        lambda ps: optim.Adamax(ps, lr=1e-2, compile=True),
+        lambda ps: optim.NAdam(ps, lr=1e-2, compile=True),
+        lambda ps: optim.LARS(ps, lr=0.1, weight_decay=1e-4, compile=True),
+        lambda ps: optim.LAMB(ps, lr=1e-2, weight_decay=0.01, compile=True),
+        lambda ps: optim.Adafactor(ps, lr=1e-2, beta1=0.9, weight_decay=0.01, compile=True),
+        lambda ps: optim.Adafactor(ps, lr=1e-2, compile=True),
     ],
-    ids=["Adam", "LARS", "NAdam"],
+    ids=["Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "LARS", "LAMB", "Adafactor-beta1",
+         "Adafactor"],
 )  # fmt: skip
-def test_loops_read_the_scalars_computed_once(make_opt, computed):
-    # Adam's bias corrections (powers of the step count), LARS's trust ratios (divisions of
-    # norms) and NAdam's coefficients (divisions by 1 - Pi_t, a state changed in place
-    # before it is read) are computed once, before the loops over the parameters' elements,
-    # which read them from memory: in the graph handed to TorchInductor, no operation on
-    # the large arrays reads them but through computed_once. (Checked on the graph, not on
-    # the C++ generated from it, which differs between CPUs of other instruction sets.)
+def test_costly_scalars_reach_the_loops_computed_once(make_opt, monkeypatch):
+    # Adam's bias corrections (powers of the step count and a square root), Adagrad's decayed
+    # step (a division), NAdam's coefficients, LARS's and LAMB's trust ratios (divisions of
+    # norms), Adafactor's relative step, clipping and factor ratios: each reaches the loops
+    # over the parameters' elements through computed_once, so TorchInductor computes it
+    # once, before them. (Checked on the graph dynamo traces, run by a backend that keeps
+    # it, not on the C++ generated from it, which differs between CPUs.)
+    graphs = []
+
+    def keep(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    monkeypatch.setattr(CompiledUpdate, "backend_name", staticmethod(keep))
     torch.manual_seed(0)
-    params = [nn.Parameter(torch.randn(80, 64)), nn.Parameter(torch.randn(64))]  # 5,120 > SMALL
+    # every parameter larger than SMALL (so that a small value is a scalar, a norm or a
+    # factor, never a parameter's own tensor): two matrices and a vector
+    params = [nn.Parameter(torch.randn(96, 64)), nn.Parameter(torch.randn(2 * SMALL)),
+              nn.Parameter(torch.randn(128, 64))]  # fmt: skip
     opt = make_opt(params)
     for _ in range(3):  # the state, the compilation, a direct call
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
-    assert opt.compiled.compiles == 1
-    (graph,) = opt.compiled.graphs
-    assert small_values_read_by_large_ones(graph) == []
-    once = graph.graph.find_nodes(op="call_function", target=computed_once)
-    before = set().union(*(ancestors(node) for node in once))
-    assert any(computed in str(node.target) for node in before), [n.target for n in before]
+    assert opt.compiled.compiles == len(graphs) == 1 and opt.compiled.direct_steps == 1
+    (graph,) = graphs
+    assert unstored_costly_values(graph) == []
+    assert any(is_stored(node) for node in graph.graph.nodes)
+
+
+def test_the_check_of_costly_scalars_finds_one_left_in_the_loops():
+    # the check above, on a graph whose bias correction reaches the loop unstored: it names
+    # the pair (the test would pass vacuously if the check could not see one)
+    def update(w, t):
+        w.mul_(1 - 0.9**t)
+
+    def stored(w, t):
+        w.mul_(computed_once(1 - 0.9**t))
+
+    graphs = []
+
+    def keep(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    for fn, expected in ((update, 1), (stored, 0)):
+        torch.compile(fn, backend=keep, fullgraph=True)(
+            torch.ones(96, 64), torch.tensor(3.0, dtype=torch.float64)
+        )
+        assert len(unstored_costly_values(graphs[-1])) == expected, fn.__name__
+
+
+def test_computed_once_makes_torchinductor_compute_a_value_once():
+    # A value made by 8 powers of a 0-d input, read by a loop over 2**20 elements: without
+    # computed_once TorchInductor inlines the powers into the loop, for every few elements
+    # (about 10 ms here); with it the value is stored before the loop, which then streams
+    # (about 1 ms). The margin is tens: the test fails if computed_once stops storing the
+    # value, or if TorchInductor learns to hoist it (then computed_once is not needed).
+    def costly(t):
+        for _ in range(8):
+            t = (t * 0.5 + 1.0) ** 1.01
+        return t
+
+    def inlined(x, t):
+        x.add_(costly(t))
+
+    def stored(x, t):
+        x.add_(computed_once(costly(t)))
+
+    x, t = torch.zeros(2**20), torch.tensor(3.0, dtype=torch.float64)
+    fns = {f.__name__: torch.compile(f, fullgraph=True, dynamic=False) for f in (inlined, stored)}
+    times = {name: [] for name in fns}
+    for _ in range(2):  # compile, warm up
+        for fn in fns.values():
+            fn(x, t)
+    for _ in range(7):  # the minimum of alternating runs: the least disturbed one
+        for name, fn in fns.items():
+            start = time.thread_time()
+            fn(x, t)
+            times[name].append(time.thread_time() - start)
+    ratio = min(times["inlined"]) / min(times["stored"])
+    assert ratio > 4, (ratio, times)
 
 
 def test_a_changed_learning_rate_changes_the_compiled_step():
@@ -406,9 +474,11 @@ class NotingSGD(optim.SGD):
         super().update(group, params, grads)
 
 
-def test_a_graph_whose_guards_or_side_effects_a_direct_call_cannot_stand_for_runs_in_dynamo():
-    # a graph that reads an attribute of the optimizer: its value is a guard of dynamo's
-    # alone, so every step goes through dynamo, which compiles again when it changes
+def test_a_subclass_from_outside_the_package_runs_through_dynamos_guards():
+    # a subclass's update may read anything (an attribute of the optimizer) and change
+    # anything (a state entry): it runs on torch's public path alone, every step through
+    # dynamo, whose guards see the attribute change and compile again, and which sets the
+    # entry after its graph ran
     def change(opt, model, step):
         if step == 4:
             opt.scale = 0.0
@@ -418,17 +488,53 @@ def test_a_graph_whose_guards_or_side_effects_a_direct_call_cannot_stand_for_run
     )
     # steps 4 and 5 leave the model as it was: two steps of a stale scale would move it
     assert_close_models(compiled, eager)
-    assert "self.scale" in opt.compiled.no_direct
+    assert "ScaledSGD is not lsdl_lab.optim's" in opt.compiled.no_direct
     assert opt.compiled.direct_steps == 0 and opt.compiled.compiles == 2
-    # a graph whose update changes a Python object (a state entry): dynamo sets it after
-    # the graph ran, a direct call would not
     (eager, eager_opt), (compiled, opt) = twin_runs(
         lambda ps, c: NotingSGD(ps, lr=0.1, compile=c), 4
     )
-    assert "changes Python objects" in opt.compiled.no_direct and opt.compiled.direct_steps == 0
+    assert opt.compiled.direct_steps == 0 and opt.compiled.compiles == 1
     first = next(compiled.parameters())
     assert float(opt.state[first]["last_lr"]) == 0.1
     assert_close_models(compiled, eager)
+
+
+def test_a_graph_that_creates_state_is_not_called_directly():
+    # AMSGrad switched on at step 4: the step's new graph creates the running maximum (a
+    # state entry dynamo sets after its graph), which a direct call would not; so that graph
+    # runs through dynamo, whose guards compile a third graph once the entry exists, and
+    # that one is called directly. Equal to eager: a direct call of the second graph would
+    # restart the maximum from zero at every step
+    def change(opt, model, step):
+        if step == 4:
+            opt.param_groups[0]["amsgrad"] = True
+
+    (eager, _), (compiled, opt) = twin_runs(
+        lambda ps, c: optim.Adam(ps, lr=0.05, compile=c), 9, change
+    )
+    assert_close_models(compiled, eager)
+    first = next(compiled.parameters())
+    assert "max_exp_avg_sq" in opt.state[first]
+    # step 0 eager; 1, 4 and 5 compile; 2, 3, 6, 7 and 8 direct
+    assert opt.compiled.compiles == 3 and opt.compiled.direct_steps == 5
+
+
+@pytest.mark.skipif(not isolated(), reason="torch.compile before 2.13 shares one limit")
+def test_each_optimizer_has_its_own_graphs_and_limit():
+    # ten optimizers of one class in a process (a race): each compiles its own graph, past
+    # dynamo's default limit of 8 graphs per function, which they would share without
+    # torch.compile's isolate_recompiles
+    torch.compiler.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileWarning)
+        for k in range(10):
+            w = nn.Parameter(torch.ones(4, 4))
+            opt = optim.SGD([w], lr=0.1 * (k + 1), momentum=0.9, compile=True)
+            for _ in range(3):
+                w.grad = torch.ones_like(w)
+                opt.step()
+            assert opt.compiled.compiles == 1 and opt.compiled.direct_steps == 1
+    torch.compiler.reset()
 
 
 @pytest.mark.parametrize(
@@ -504,14 +610,14 @@ def test_a_missing_cpp_compiler_warns_once_and_runs_eagerly():
     # the config's own patch (monkeypatch deletes the config modules' attributes on undo,
     # which broke every later compile in the process); no cached kernel to reuse
     missing = {"cpp.cxx": ("/nonexistent/c++",), "force_disable_caches": True}
-    torch._dynamo.reset()
+    torch.compiler.reset()
     try:
         with torch._inductor.config.patch(missing):
             (eager, compiled), caught = eager_and_compiled(
                 lambda ps, c: optim.SGD(ps, lr=0.1, compile=c)  # the smallest graph: quick
             )
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert "torch.compile could not compile its update" in str(caught[0].message)
     assert_same_models(eager[0], compiled[0])
