@@ -86,9 +86,14 @@ def minimum_traffic(name: str, kwargs: dict | None = None) -> tuple[int, int]:
     update clipping): pass 1 RMS(p) and
     the row/column sums of g^2, pass 2
     RMS(u), pass 3 the step (+ beta1: m)
+    Muon, its matrices                     p g b                  p b         5      20
     ====================================  =====================  ===========  =====  ==========
 
-    LARS without momentum (``momentum=0``) drops ``b``: 2 + 3 = 5 words. Raises
+    LARS without momentum (``momentum=0``) drops ``b``: 2 + 3 = 5 words. Muon's count is
+    its matrices' (its other parameters are AdamW's, 7 words): the Newton–Schulz iteration
+    between reading ``b`` and writing ``p`` is matrix products of one matrix, bound by
+    arithmetic (O(m^2 n) FLOPs per m x n matrix, lsdl_lab.optim.muon), and its
+    intermediates are not counted, so the roof says little of Muon's step. Raises
     ``ValueError`` for an optimizer without a count here (add its row when you add one).
     """
     kwargs = kwargs or {}
@@ -100,6 +105,7 @@ def minimum_traffic(name: str, kwargs: dict | None = None) -> tuple[int, int]:
         "Adamax": 2,
         "NAdam": 2,
         "SGD": int(kwargs.get("momentum", 0) != 0),
+        "Muon": 1,
         "RMSprop": 1 + bool(kwargs.get("centered")) + (kwargs.get("momentum", 0) != 0),
     }
     if name in one_pass_state:
@@ -269,7 +275,11 @@ def candidates(name: str, kwargs: dict, params: list) -> list[tuple[str, object]
         except ImportError as e:
             return [("lsdl_lab", LAYERWISE_ALONE[name](params)), ("pytorch-optimizer", str(e))]
         return [("lsdl_lab", ours), ("pytorch-optimizer", theirs)]
-    out = [("lsdl_lab", getattr(lsdl_lab.optim, name)(params, **kwargs))]
+    ours = params
+    if name == "Muon":  # matrices to Muon, the others to AdamW (torch.optim.Muon: matrices)
+        ours = [dict(params=[p for p in params if p.dim() == 2]),
+                dict(params=[p for p in params if p.dim() != 2], use_muon=False)]  # fmt: skip
+    out = [("lsdl_lab", getattr(lsdl_lab.optim, name)(ours, **kwargs))]
     for path in ("foreach", "fused"):
         try:
             out.append(

@@ -192,13 +192,16 @@ def minimum_bytes(name: str, options: dict, params: list[torch.Tensor]) -> float
     count there, since it depends on the model: a matrix's accumulators are vectors (one per
     row, one per column, a negligible share of the traffic, as Adafactor's), so it moves what
     SGD with the same momentum moves; a vector's accumulator is a full-size array (SM3 is
-    Adagrad there), what RMSprop with the same momentum moves."""
+    Adagrad there), what RMSprop with the same momentum moves. Muon's matrices move what its
+    count says; its other parameters (:func:`lsdl_lab.optim.muon_param_groups`) AdamW's."""
     size = params[0].element_size()
-    if name != "SM3":
+    if name not in ("SM3", "Muon"):
         return minimum_bytes_per_param(name, options, size)
     momentum = {"momentum": options.get("momentum", 0.0)}
     matrix = minimum_bytes_per_param("SGD", momentum, size)
     vector = minimum_bytes_per_param("RMSprop", momentum, size)
+    if name == "Muon":  # its matrices' count (the iteration uncounted), AdamW's for the rest
+        matrix, vector = (minimum_bytes_per_param(n, {}, size) for n in ("Muon", "AdamW"))
     n = sum(p.numel() for p in params)
     return sum((matrix if p.dim() >= 2 else vector) * p.numel() for p in params) / n
 
@@ -206,6 +209,8 @@ def minimum_bytes(name: str, options: dict, params: list[torch.Tensor]) -> float
 def lsdl(entry: Entry, params, compile: bool):
     if entry.name == "LARS":
         params = optim.param_groups_for_layerwise(params, LARS_DECAY)
+    if entry.name == "Muon":
+        params = optim.muon_param_groups(params)
     return getattr(optim, entry.name)(params, **entry.options, compile=compile)
 
 

@@ -13,7 +13,8 @@ SGD adds the momentum into ``p.grad`` in place. Both optimizers of a pair update
 parameters, each with its own state, warmed by several steps before timing; the two steps
 are then timed in turn (A B, B A, ...) so that both see the same moments of a shared
 machine. Every optimizer that ``lsdl_lab.optim.__all__`` exports and torch.optim also has
-is included, found by name at run time.
+is included, found by name at run time. ``Muon`` runs on the model's matrices alone on both
+sides, the parameters torch.optim.Muon takes (its others are AdamW's, in the AdamW rows).
 
 ``LARS`` and ``LAMB``, which torch.optim lacks, get rows of their own, in a separate table
 per size, each timed in the same interleaved way against two references: the torch.optim
@@ -88,6 +89,8 @@ CONFIGS = {
         ("Adam amsgrad", {"amsgrad": True}),
         ("Adam weight_decay=0.01", {"weight_decay": 0.01}),
     ],
+    # the same update on both sides (the defaults differ): Liu et al.'s scaling, a decay
+    "Muon": [("Muon", {"weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"})],
 }
 
 
@@ -292,9 +295,12 @@ def benchmark_size(
             continue
         row = Row(label)
         rows.append(row)
+        ps, paths = params, {"foreach": True}
+        if name == "Muon":  # torch.optim.Muon takes matrices only, one at a time (no foreach)
+            ps, paths = [p for p in params if p.dim() == 2], {}
         try:
-            ours = getattr(lsdl_lab.optim, name)(params, **kwargs)
-            theirs = getattr(torch.optim, name)(params, **kwargs, foreach=True)
+            ours = getattr(lsdl_lab.optim, name)(ps, **kwargs)
+            theirs = getattr(torch.optim, name)(ps, **kwargs, **paths)
         except (TypeError, ValueError) as e:
             row.skipped = f"skipped: {type(e).__name__}: {e}"
             log(f"  {label:<24} {row.skipped}")

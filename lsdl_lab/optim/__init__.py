@@ -6,6 +6,8 @@ keeps its state in ``state_dict`` and updates all parameters of a group with mul
 :mod:`lsdl_lab.optim.pieces` the update steps several of them use (momentum, Adam's moments
 and denominator, weight decay), :mod:`lsdl_lab.optim.layerwise` the trust ratio and the
 parameter groups of LARS and LAMB.
+:class:`Muon` orthogonalizes the hidden matrices' momentum and gives the other parameters to
+AdamW (:func:`muon_param_groups` splits a model so).
 :class:`SAM` is a wrapper: sharpness-aware minimization around any of them (or any
 torch.optim optimizer).
 ``compile=True`` on any of them runs the same update through ``torch.compile``, each
@@ -23,6 +25,7 @@ from .kfac import KFAC
 from .lamb import LAMB
 from .lars import LARS
 from .layerwise import param_groups_for_layerwise, trust_ratio
+from .muon import Muon, muon_param_groups
 from .nadam import NAdam
 from .newton import Newton
 from .rmsprop import RMSprop
@@ -49,7 +52,9 @@ __all__ = [
     "HessianFree",
     "Adafactor",
     "SM3",
+    "Muon",
     "Optimizer",
     "param_groups_for_layerwise",
+    "muon_param_groups",
     "trust_ratio",
 ]

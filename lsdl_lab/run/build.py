@@ -92,8 +92,9 @@ def build(config: Config, device: torch.device) -> Built:
 
 
 # Optimizers whose update of a parameter depends on the whole parameter (a norm per layer,
-# factored or blocked statistics): ZeRO's flat shards would change their mathematics.
-WHOLE_TENSOR = ("LARS", "LAMB", "Adafactor", "SM3", "Shampoo")
+# factored or blocked statistics, Muon's orthogonalized matrix): ZeRO's flat shards would
+# change their mathematics.
+WHOLE_TENSOR = ("LARS", "LAMB", "Adafactor", "SM3", "Shampoo", "Muon")
 
 
 def optimizer_class(config: Config) -> tuple[type[torch.optim.Optimizer], dict]:

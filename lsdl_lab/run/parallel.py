@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .. import compress
+from .. import compress, optim
 from ..memory import ZeroOptimizer, measure
 from .build import WHOLE_TENSOR, optimizer_class
 from .config import Config
@@ -108,6 +108,8 @@ def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
     cls, kwargs = optimizer_class(config)
     if config.parallel.startswith("zero"):
         return ZeroOptimizer(unwrapped(model), cls, int(config.parallel[-1]), **kwargs)
+    if cls is optim.Muon:  # the hidden matrices to Muon, the rest to its AdamW groups
+        return cls(optim.muon_param_groups(unwrapped(model)), **kwargs)
     return cls(model.parameters(), **kwargs)
 
 

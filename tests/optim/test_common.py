@@ -51,9 +51,10 @@ BIT_FOR_BIT = {
     "Adamax": (),
     "NAdam": (),
 }
-# Namesakes that agree with torch.optim to a stated tolerance, not bit for bit, and the
-# test file that holds their reference tests.
-TO_A_TOLERANCE = {"Adafactor": "test_adafactor.py"}
+# Namesakes whose reference tests are in their own test file: Adafactor agrees with
+# torch.optim to a stated tolerance, not bit for bit; Muon bit for bit with the arguments
+# passed alike, but its defaults differ from torch's (its scaling, its weight decay)
+TO_A_TOLERANCE = {"Adafactor": "test_adafactor.py", "Muon": "test_muon.py"}
 
 
 def test_every_optimizer_with_a_torch_namesake_has_its_reference_tests():

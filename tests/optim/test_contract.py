@@ -69,6 +69,22 @@ def outputs_closure(model, opt, x, y):
     return closure
 
 
+def muon_by_shape(params, **options):
+    """Muon on the contract's parameters split as Muon needs them (optim.muon_param_groups on
+    a list): each group's matrices in a group with ``use_muon=True``, its other parameters
+    (biases, the bad-input tests' vectors) in one with ``use_muon=False``, with the group's
+    hyperparameters. The Muon parts of all groups come first, in the groups' order, so the
+    groups test finds the groups it made at the indices it made them (their biases after)."""
+    items = list(params)
+    groups = items if items and isinstance(items[0], dict) else [dict(params=items)]
+    muon, adamw = [], []
+    for group in groups:
+        tensors = group["params"]
+        for part in optim.muon_param_groups([tensors] if torch.is_tensor(tensors) else tensors):
+            (muon if part["use_muon"] else adamw).append({**group, **part})
+    return optim.Muon(muon + adamw, **options)
+
+
 @dataclass(frozen=True)
 class Spec:
     """An optimizer in the contract: its class, the option sets (hyperparameters) to run it
@@ -220,6 +236,23 @@ OPTIMIZERS = [
           (dict(max_bytes=0), ValueError, "Invalid max_bytes: 0"),
           (dict(max_bytes=8), ValueError, "parameters: HessianFree would hold")),
          separable=False, closure=outputs_closure),
+    Spec(optim.Muon, (dict(lr=0.02),
+                      dict(lr=0.02, momentum=0.9, nesterov=False, weight_decay=0.1, ns_steps=3,
+                           adjust_lr_fn="original", betas=(0.8, 0.99), adamw_eps=1e-6),
+                      dict(lr=0.01, weight_decay=0.01, eps=1e-6, ns_dtype=torch.float32,
+                           ns_coefficients=(2.0, -1.5, 0.5))),
+         MOMENTUM_BAD + BETAS_BAD
+         + ((dict(ns_steps=0), ValueError, "Invalid ns_steps: 0 (expected an int >= 1)"),
+            (dict(ns_steps=2.0), TypeError, "Invalid ns_steps: 2.0"),
+            (dict(ns_coefficients=(1.0, 2.0)), ValueError, "Invalid ns_coefficients: (1.0, 2.0)"),
+            (dict(ns_coefficients=(1.0, nan, 2.0)), ValueError, "Invalid ns_coefficients"),
+            (dict(adjust_lr_fn="adamw"), ValueError, "Invalid adjust_lr_fn: 'adamw' (expected"),
+            (dict(ns_dtype=torch.int8), TypeError, "Invalid ns_dtype: torch.int8"),
+            (dict(adamw_eps=-1.0), ValueError, "Invalid adamw_eps value: -1.0")),
+         edges=(dict(lr=0.0), dict(momentum=0.0), dict(momentum=0.999), dict(weight_decay=0.0),
+                dict(eps=0.0), dict(ns_steps=1), dict(adamw_eps=0.0), dict(betas=(0.0, 0.0)),
+                dict(adjust_lr_fn=None), dict(ns_dtype=None)),
+         factory=lambda params, **options: muon_by_shape(params, **options)),
 ]  # fmt: skip
 
 CASES = [(spec, options) for spec in OPTIMIZERS for options in spec.options]

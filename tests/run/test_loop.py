@@ -184,6 +184,20 @@ def test_a_resumed_run_computes_exactly_what_an_uninterrupted_one_does(tmp_path)
     assert [r["step"] for r in again] == [1, 2, 3, 4, 5]
 
 
+def test_muon_trains_the_gpts_matrices_and_gives_the_rest_to_adamw(tmp_path):
+    # the entry point builds Muon's groups from the model (lsdl_lab.optim.muon_param_groups):
+    # the hidden matrices orthogonalized, the embedding, the output layer and the gains and
+    # biases by AdamW; the loss falls
+    config = make(CONSTANT, model="gpt", optimizer="Muon", steps=8, dtype="float32",
+                  out_dir=str(tmp_path))  # fmt: skip
+    records = train(config)
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
+    groups = load(tmp_path / "checkpoint.pt")["optimizer"]["param_groups"]
+    assert [g["use_muon"] for g in groups] == [True, False]
+    assert all(g["params"] for g in groups)
+
+
 def test_mixed_precision_and_activation_checkpointing_train(tmp_path):
     plain = train(make(BASE, steps=3, dtype="float32", out_dir=str(tmp_path / "plain")))
     recompute = train(
@@ -221,6 +235,7 @@ def test_bad_combinations_are_refused_naming_the_option(tmp_path):
         (dict(parallel="zero2", optimizer="LAMB"), "Invalid optimizer: 'LAMB' with parallel"),
         (dict(parallel="fsdp2", compression="topk"), "Invalid compression: 'topk'"),
         (dict(parallel="fsdp2", optimizer="LARS"), "Invalid optimizer: 'LARS' with parallel"),
+        (dict(parallel="zero1", optimizer="Muon"), "Invalid optimizer: 'Muon' with parallel"),
         (dict(parallel="fsdp2", precision="fp16"), "Invalid precision: 'fp16' with parallel"),
         (dict(parallel="zero3", model="gpt"), "Invalid parallel: 'zero3' with model 'gpt'"),
         (
