@@ -28,9 +28,9 @@ What makes one graph serve every step, with torch's public interfaces:
   (:func:`~lsdl_lab.optim.pieces.addcdiv_`'s step sizes, Adam's denominator's correction,
   the decoupled decay factor, :func:`~lsdl_lab.optim.pieces.host_scalars`), and so do the
   updates that compute their own (Adagrad, NAdam, LAMB, Adafactor). Eagerly it returns its
-  argument. Measured on Adam at 10M parameters (2026-11-26, CPU): without it the compiled
-  step took 2.7 times torch's fused kernel's time (22.6 against 8.4 ms, both functions made
-  identities), with it 0.99 (``benchmarks/results/compiled.md``).
+  argument. On Adam at 10M parameters on the CPU, without it (both functions made
+  identities) the compiled step took 2.7 times torch's fused kernel's time, with it about
+  the fused kernel's (``benchmarks/README.md`` gives the figures and their run).
 * **The first step of a group runs eagerly.** It creates the state; every later step finds
   the state it reads, so the graph is the same from step to step. The state stays what the
   eager path keeps (step counts as Python ints): ``state_dict`` is the same on both paths,
@@ -59,8 +59,8 @@ graph was traced for?) and gathers the graph's inputs, here every state tensor f
 ``optimizer.state`` by walking its keys: a fixed cost per step, which weighs most where the
 step is short. ``benchmarks/compiled.py`` times both paths, the direct call (*compiled*)
 and the same optimizer through torch's public interfaces alone (*compiled, dynamo's
-guards*: a class defined outside this package). In its run of 2026-11-26 22:17 UTC
-(``benchmarks/results/compiled.md``, CPU), through dynamo's guards the four rows of the
+guards*: a class defined outside this package). In the run committed in
+``benchmarks/results/compiled.md`` (CPU), through dynamo's guards the four rows of the
 fused goal took 1.08 to 1.30 times torch's fused kernels' time on the 1M-parameter ResNet
 (65 tensors) and 1.00 to 1.12 on the 10M GPT (148 tensors); with direct calls 0.92 to 1.12
 and 0.95 to 1.06 (goal: at most 1.1). So for an optimizer of this package (whose ``update``
