@@ -136,8 +136,9 @@ def test_the_workflows_wrap_make_targets_and_need_no_secret_for_pull_requests():
 
 def test_the_site_url_is_set_once_and_the_readme_opens_with_it():
     """The site's URL is _config.yml's html.baseurl: GitHub Pages of the repository the config
-    names; every other mention of a GitHub Pages URL in the project is that one (or a page of
-    it); the README's first lines give it, with the badges of CI and of each scheduled
+    names; every other mention of its owner's GitHub Pages in the project is that one (or a
+    page of it: a cited author's own pages, such as a blog post, are not the book's); the
+    README's first lines give it, with the badges of CI and of each scheduled
     workflow, which exist."""
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     repo = config["repository"]["url"].rstrip("/")
@@ -150,7 +151,8 @@ def test_the_site_url_is_set_once_and_the_readme_opens_with_it():
     others = []
     for path in (p for t in tops for p in ([t] if t.is_file() else t.rglob("*"))):
         if path.is_file() and path.suffix in {".md", ".ipynb", ".py", ".yml", ".toml", ".css"}:
-            for url in re.findall(r"https://[\w.-]+\.github\.io/[^\s\"'<>)\]]*", path.read_text()):
+            pages = rf"https://{re.escape(owner)}\.github\.io/[^\s\"'<>)\]]*"
+            for url in re.findall(pages, path.read_text(), flags=re.I):
                 if not url.startswith(site):
                     others.append((str(path.relative_to(ROOT)), url))
     assert not others, others
