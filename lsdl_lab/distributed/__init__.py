@@ -3,11 +3,12 @@
 * :mod:`~lsdl_lab.distributed.world`: start a world of processes from a notebook (:func:`spawn`)
   or join one under ``torchrun`` (:func:`init_from_env`), with timeouts, the failing
   rank's traceback, and no process left behind.
-* :mod:`~lsdl_lab.distributed.collectives`: ring and recursive-doubling all-reduce, ring
-  all-gather and reduce-scatter, built from point-to-point messages; a blocking ring that
-  deadlocks.
-* :mod:`~lsdl_lab.distributed.cost`: the alpha-beta model of ring, tree and parameter-server
-  all-reduce, measured and fitted on the world at hand.
+* :mod:`~lsdl_lab.distributed.collectives`: ring, recursive-doubling, Rabenseifner's,
+  binary-tree and hierarchical all-reduce, ring all-gather and reduce-scatter, and the
+  pairwise all-to-all, built from point-to-point messages; a blocking ring that deadlocks.
+* :mod:`~lsdl_lab.distributed.cost`: the alpha-beta model of each of them and of the
+  parameter server, the message size where the ring overtakes another algorithm, measured
+  and fitted on the world at hand.
 * :mod:`~lsdl_lab.distributed.param_server`: push and pull over point-to-point; synchronous and
   asynchronous SGD with bounded staleness.
 * :mod:`~lsdl_lab.distributed.local_sgd`: communicating less often: gradient accumulation with
@@ -20,7 +21,12 @@ The importable workers that Chapter 7 and Lab 7 spawn live in the book's wing,
 """
 
 from .collectives import (
+    all_to_all,
+    binary_tree_all_reduce,
+    hierarchical_all_reduce,
     naive_ring_all_reduce_blocking,
+    node_groups,
+    rabenseifner_all_reduce,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
@@ -28,10 +34,16 @@ from .collectives import (
 )
 from .cost import (
     AlphaBeta,
+    binary_tree_all_reduce_time,
+    crossover_nbytes,
     fit_alpha_beta,
+    hierarchical_all_reduce_time,
     measure_collective,
+    pairwise_all_to_all_time,
     parameter_server_all_reduce_time,
+    rabenseifner_all_reduce_time,
     ring_all_reduce_time,
+    ring_all_to_all_time,
     tree_all_reduce_time,
 )
 from .local_sgd import (
@@ -74,6 +86,12 @@ __all__ = [
     "push",
     "ring_all_reduce_time",
     "tree_all_reduce_time",
+    "rabenseifner_all_reduce_time",
+    "binary_tree_all_reduce_time",
+    "hierarchical_all_reduce_time",
+    "pairwise_all_to_all_time",
+    "ring_all_to_all_time",
+    "crossover_nbytes",
     "WorkerError",
     "call_each",
     "destroy",
@@ -88,5 +106,10 @@ __all__ = [
     "spawn",
     "synchronous_sgd",
     "tree_all_reduce",
+    "rabenseifner_all_reduce",
+    "binary_tree_all_reduce",
+    "hierarchical_all_reduce",
+    "node_groups",
+    "all_to_all",
     "world_from_env",
 ]

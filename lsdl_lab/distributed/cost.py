@@ -9,15 +9,26 @@ all-reduce of n bytes over p ranks (Thakur, Rabenseifner & Gropp 2005; Chan et a
 ring (reduce-scatter, gather)  2(p-1) alpha + 2 (p-1)/p n beta
 recursive doubling ("tree")    log2 p (alpha + n beta) (p a power of two; else
                                two more steps: :func:`tree_all_reduce_time`)
+Rabenseifner (halving,         2 log2 p alpha + 2 (p-1)/p n beta (p a power of
+doubling)                      two; else two more steps)
+binary (binomial) tree         2 ceil(log2 p) (alpha + n beta)
+hierarchical, nodes of L       2(L-1) alpha + 2 (L-1)/L n beta within nodes, plus a
+                               ring of n/L bytes over the N = p/L nodes' links
 parameter server               2(p-1) (alpha + n beta)
 =============================  ===================================================
 
+and for an all-to-all, n the bytes of a rank's whole input: (p-1) alpha + (p-1)/p n beta
+by pairwise exchange, (p-1) alpha + (p-1)/2 n beta by store-and-forward around a ring.
+
 The ring sends the fewest bytes (its bandwidth term stays below 2 n beta for any p), the
 tree the fewest messages (its latency term grows as log p, the ring's as p): the tree wins
-for small messages, the ring for large ones. The parameter server's link carries every
+for small messages, the ring for large ones, at the size :func:`crossover_nbytes` gives.
+Rabenseifner's takes the ring's bandwidth term in the tree's number of steps: at a power
+of two the ring never overtakes it. The parameter server's link carries every
 push and every pull, so its time grows linearly with p in both terms.
 
-Each model is a function ``time(nbytes, p, alpha, beta)``, linear in alpha and beta, so
+Each model is a function ``time(nbytes, p, alpha, beta)`` (the hierarchical one with the
+node size bound by ``functools.partial``), linear in alpha and beta, so
 :func:`fit_alpha_beta` recovers alpha and beta from times measured on the machine at hand
 (:func:`measure_collective`) by least squares, and the fit can then predict sizes it was
 not fitted on.
@@ -37,10 +48,16 @@ from .._util import check_choice, check_int, check_nonnegative, check_positive
 
 __all__ = [
     "AlphaBeta",
+    "binary_tree_all_reduce_time",
+    "crossover_nbytes",
     "fit_alpha_beta",
+    "hierarchical_all_reduce_time",
     "measure_collective",
+    "pairwise_all_to_all_time",
     "parameter_server_all_reduce_time",
+    "rabenseifner_all_reduce_time",
     "ring_all_reduce_time",
+    "ring_all_to_all_time",
     "tree_all_reduce_time",
 ]
 
@@ -66,6 +83,112 @@ def parameter_server_all_reduce_time(nbytes: float, p: int, alpha: float, beta: 
     server's link, one after another, so the time is that link's: 2(p-1)(alpha + n beta)
     (the model of Li et al. 2014's server bottleneck; a sharded server divides it)."""
     return 2 * (p - 1) * (alpha + nbytes * beta)
+
+
+def rabenseifner_all_reduce_time(nbytes: float, p: int, alpha: float, beta: float) -> float:
+    """Rabenseifner's all-reduce as
+    :func:`~lsdl_lab.distributed.collectives.rabenseifner_all_reduce` runs it: log2 q
+    halving steps of n/2, n/4, ..., n/q bytes, then as many doubling steps of the same
+    sizes, for the largest power of two q <= p: 2 log2 q alpha + 2 (q-1)/q n beta; two
+    more steps of n bytes (fold in, hand back) when p is not a power of two (Rabenseifner
+    2004; Thakur, Rabenseifner & Gropp 2005): the ring's bandwidth term in log2 q
+    steps instead of 2(p-1). The additions (a gamma term, (q-1)/q n bytes summed per rank
+    at a power of two, as many as the ring sums) are left out, as from every model here:
+    at a power of two they do not move the crossover with the ring."""
+    q = 1 << (p.bit_length() - 1)
+    extra = 2 * (alpha + nbytes * beta) if p != q else 0.0
+    return 2 * math.log2(q) * alpha + 2 * (q - 1) / q * nbytes * beta + extra
+
+
+def binary_tree_all_reduce_time(nbytes: float, p: int, alpha: float, beta: float) -> float:
+    """Reduce up a binomial tree to rank 0, then broadcast down it, as
+    :func:`~lsdl_lab.distributed.collectives.binary_tree_all_reduce` runs it: each phase
+    ceil(log2 p) steps of the whole n bytes: 2 ceil(log2 p) (alpha + n beta) (Thakur,
+    Rabenseifner & Gropp 2005). Twice recursive doubling's time, and every
+    step moves all n bytes: it never beats the ring at large n."""
+    return 2 * (p - 1).bit_length() * (alpha + nbytes * beta)
+
+
+def hierarchical_all_reduce_time(
+    nbytes: float,
+    p: int,
+    alpha: float,
+    beta: float,
+    local_size: int,
+    alpha_inter: float | None = None,
+    beta_inter: float | None = None,
+) -> float:
+    """The two-level all-reduce of
+    :func:`~lsdl_lab.distributed.collectives.hierarchical_all_reduce` on p ranks in nodes of
+    L = ``local_size``, N = p/L nodes: a ring reduce-scatter and a ring all-gather within
+    the node over links (alpha, beta), and a ring all-reduce of n/L bytes across nodes over
+    links (``alpha_inter``, ``beta_inter``; default the same):
+
+    2(L-1) alpha + 2 (L-1)/L n beta + 2(N-1) alpha_inter + 2 (N-1)/N (n/L) beta_inter.
+
+    A flat ring whose ring crosses the slow links pays 2 (p-1)/p n beta_inter: the
+    hierarchy sends L times fewer bytes over them (and 2(N-1) slow messages, not 2(p-1)).
+    Linear in (alpha, beta) when the inter-node link is left to default, so
+    ``functools.partial(hierarchical_all_reduce_time, local_size=L)`` can be fitted.
+    """
+    if p % check_int("local_size", local_size, 1, p):
+        raise ValueError(f"Invalid local_size: {local_size} (expected a divisor of p = {p})")
+    a2 = alpha if alpha_inter is None else alpha_inter
+    b2 = beta if beta_inter is None else beta_inter
+    nodes = p // local_size
+    intra = ring_all_reduce_time(nbytes, local_size, alpha, beta)  # reduce-scatter + gather
+    return intra + ring_all_reduce_time(nbytes / local_size, nodes, a2, b2)
+
+
+def pairwise_all_to_all_time(nbytes: float, p: int, alpha: float, beta: float) -> float:
+    """All-to-all by pairwise exchange, as :func:`~lsdl_lab.distributed.collectives.all_to_all`
+    runs it, ``nbytes`` the size of a rank's whole input (its own block included): p-1
+    steps, each sending one block of n/p bytes to a different rank:
+    (p-1) alpha + (p-1)/p n beta, the least any all-to-all can send (every block but one's
+    own must leave). MPICH's choice for long messages (Thakur, Rabenseifner & Gropp
+    2005)."""
+    return (p - 1) * alpha + (p - 1) / p * nbytes * beta
+
+
+def ring_all_to_all_time(nbytes: float, p: int, alpha: float, beta: float) -> float:
+    """All-to-all by store-and-forward around a ring, ``nbytes`` a rank's whole input: at
+    step s = 1, ..., p-1 each rank passes to its successor the p-s blocks (n/p bytes each)
+    still on their way: (p-1) alpha + (p-1)/2 n beta, p/2 times the pairwise exchange's
+    bandwidth term, as each block crosses as many links as it travels ranks (Grama et al.
+    2003, Sec. 4.5, all-to-all personalized communication on a ring). What a network that
+    links each node only to its neighbours leaves; with a link between every pair
+    (a switch), the pairwise exchange (:func:`pairwise_all_to_all_time`; Thakur et al.
+    2005)."""
+    return (p - 1) * alpha + (p - 1) / 2 * nbytes * beta
+
+
+def crossover_nbytes(
+    model: Callable, p: int, alpha: float, beta: float, against: Callable = ring_all_reduce_time
+) -> float:
+    """The message size n* (bytes) past which ``against`` (the ring by default) is faster
+    than ``model`` on ``p`` ranks over the link (``alpha``, ``beta``).
+
+    Both times are linear in n, T(n) = T(0) + n T', so with D = T_against - T_model,
+    n* = -D(0) / D' where D' < 0: the ring is faster for n > n*, not faster for n < n*.
+    0 when ``against`` is faster from the smallest message on; ``math.inf`` when it never
+    overtakes (its bandwidth term is no smaller: Rabenseifner's at a power of two).
+    Against recursive doubling, for example, 2(p-1) alpha + 2 (p-1)/p n beta =
+    log2 p (alpha + n beta) at n* = (2(p-1) - log2 p) alpha / ((log2 p - 2 (p-1)/p) beta).
+    """
+    p = check_int("p", p, 1)
+    big = 2.0**30  # the slopes over a long step: no cancellation against alpha
+
+    def line(time: Callable) -> tuple[float, float]:
+        t0 = time(0.0, p, alpha, beta)
+        return t0, (time(big, p, alpha, beta) - t0) / big
+
+    (a0, a1), (m0, m1) = line(against), line(model)
+    # equal terms (computed in different orders) must compare equal: ties within rounding
+    d0 = 0.0 if math.isclose(a0, m0, rel_tol=1e-12) else a0 - m0
+    slope = 0.0 if math.isclose(a1, m1, rel_tol=1e-9) else a1 - m1
+    if slope < 0:
+        return max(0.0, -d0 / slope)
+    return 0.0 if slope == 0 and d0 < 0 else math.inf
 
 
 @dataclass(frozen=True)
