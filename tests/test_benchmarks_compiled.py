@@ -30,7 +30,8 @@ def test_rows_cover_every_optimizer_of_the_package():
     assert {e.name for e in entries} == exported
     listed = {e.name: e.reason for e in entries if e.reason}
     assert listed["Shampoo"] == "falls back to eager: " + optim.Shampoo.not_compilable
-    assert set(listed) == {"SAM", "KFAC", "Shampoo", "Newton", "HessianFree"}
+    assert set(listed) == {"SAM", "KFAC", "Shampoo", "Newton", "HessianFree", "SOAP",
+                           "ScheduleFreeAdamW", "Adam8bit", "AdamW8bit"}  # fmt: skip
     labels = [e.label for e in entries if not e.reason]
     for label in (*compiled.GOAL_ROWS, "SGD nesterov", "Adam amsgrad", "LAMB", "SM3"):
         assert label in labels

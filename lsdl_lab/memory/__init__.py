@@ -4,6 +4,9 @@
   backward, tables per rank.
 * :mod:`~lsdl_lab.memory.precision` -- the dynamic loss scaler (GradScaler's semantics,
   a floor, one skip decision over a process group) and fp16/bf16 demonstrations.
+* :mod:`~lsdl_lab.memory.quantize` -- block-wise 8-bit quantization with the dynamic map
+  (Dettmers et al. 2022), which keeps :class:`~lsdl_lab.optim.Adam8bit`'s states in one
+  byte a value.
 * :mod:`~lsdl_lab.memory.recompute` -- activation checkpointing (Chen et al. 2016).
 * :mod:`~lsdl_lab.memory.zero` -- bytes per rank under ZeRO's stages (Rajbhandari et al.
   2020).
@@ -32,6 +35,12 @@ from .precision import (
     fp16_underflow,
     mixed_precision_for,
 )
+from .quantize import (
+    dequantize_blockwise,
+    dynamic_map,
+    quantize_blockwise,
+    quantized_bytes,
+)
 from .recompute import (
     Recompute,
     checkpoint_sequential,
@@ -49,6 +58,8 @@ __all__ = [
     "amp_step",
     "bf16_range_vs_precision",
     "checkpoint_sequential",
+    "dequantize_blockwise",
+    "dynamic_map",
     "format_bytes",
     "format_table",
     "fp16_underflow",
@@ -59,6 +70,8 @@ __all__ = [
     "measure_by_dtype",
     "mixed_precision_for",
     "optimizer_state_bytes",
+    "quantize_blockwise",
+    "quantized_bytes",
     "Recompute",
     "ResNetShape",
     "resnet_activation_bytes",

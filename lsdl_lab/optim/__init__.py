@@ -7,7 +7,10 @@ keeps its state in ``state_dict`` and updates all parameters of a group with mul
 and denominator, weight decay), :mod:`lsdl_lab.optim.layerwise` the trust ratio and the
 parameter groups of LARS and LAMB.
 :class:`Muon` orthogonalizes the hidden matrices' momentum and gives the other parameters to
-AdamW (:func:`muon_param_groups` splits a model so).
+AdamW (:func:`muon_param_groups` splits a model so). :class:`SOAP` runs AdamW in the
+eigenbasis of Shampoo's statistics; :class:`ScheduleFreeAdamW` needs no learning-rate
+schedule, and its ``train()`` and ``eval()`` put the parameters where gradients are taken
+and at the average that is evaluated.
 :class:`SAM` is a wrapper: sharpness-aware minimization around any of them (or any
 torch.optim optimizer).
 ``compile=True`` on any of them runs the same update through ``torch.compile``, each
@@ -18,6 +21,7 @@ from .adadelta import Adadelta
 from .adafactor import Adafactor
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
+from .adam8bit import Adam8bit, AdamW8bit
 from .adamax import Adamax
 from .base import Optimizer
 from .hessian_free import HessianFree
@@ -30,9 +34,11 @@ from .nadam import NAdam
 from .newton import Newton
 from .rmsprop import RMSprop
 from .sam import SAM
+from .schedule_free import ScheduleFreeAdamW
 from .sgd import SGD
 from .shampoo import Shampoo
 from .sm3 import SM3
+from .soap import SOAP
 
 __all__ = [
     "SGD",
@@ -53,6 +59,10 @@ __all__ = [
     "Adafactor",
     "SM3",
     "Muon",
+    "SOAP",
+    "ScheduleFreeAdamW",
+    "Adam8bit",
+    "AdamW8bit",
     "Optimizer",
     "param_groups_for_layerwise",
     "muon_param_groups",

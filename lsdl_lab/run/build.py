@@ -92,9 +92,10 @@ def build(config: Config, device: torch.device) -> Built:
 
 
 # Optimizers whose update of a parameter depends on the whole parameter (a norm per layer,
-# factored or blocked statistics, Muon's orthogonalized matrix): ZeRO's flat shards would
-# change their mathematics.
-WHOLE_TENSOR = ("LARS", "LAMB", "Adafactor", "SM3", "Shampoo", "Muon")
+# factored or blocked statistics, Muon's orthogonalized matrix, SOAP's eigenbases, the
+# 8-bit states' blocks of each tensor): ZeRO's flat shards would change their mathematics.
+WHOLE_TENSOR = ("LARS", "LAMB", "Adafactor", "SM3", "Shampoo", "Muon", "SOAP", "Adam8bit",
+                "AdamW8bit")  # fmt: skip
 
 
 def optimizer_class(config: Config) -> tuple[type[torch.optim.Optimizer], dict]:

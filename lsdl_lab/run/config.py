@@ -38,12 +38,13 @@ __all__ = [
 MODELS = ("mlp", "resnet", "gpt")
 DATASETS = ("", "digits", "cifar10", "python_source", "tiny_shakespeare")
 # The optimizers of lsdl_lab.optim whose step() needs nothing but the gradients: not SAM
-# (a closure), Newton and HessianFree (a closure), K-FAC (hooks on the model).
+# (a closure), Newton and HessianFree (a closure), K-FAC (hooks on the model), nor
+# schedule-free AdamW (its train/eval switch, which the loop does not make).
 OPTIMIZERS = tuple(
     name
     for name in optim.__all__
     if isinstance(getattr(optim, name), type)
-    and name not in ("Optimizer", "SAM", "Newton", "HessianFree", "KFAC")
+    and name not in ("Optimizer", "SAM", "Newton", "HessianFree", "KFAC", "ScheduleFreeAdamW")
 )
 SCHEDULES = ("constant", "cosine", "linear")
 PARALLELS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")

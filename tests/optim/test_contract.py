@@ -117,6 +117,12 @@ BETAS_BAD = tuple(
 # the edges of the Adam family's shared ranges: betas in [0, 1), eps and weight decay >= 0
 ADAM_EDGES = (dict(lr=0.0), dict(betas=(0.0, 0.0)), dict(betas=(0.999, 0.9999)), dict(eps=0.0),
               dict(weight_decay=0.0))  # fmt: skip
+# Adam8bit's own ranges: blocks of at least one value; any size may take 8-bit states
+ADAM8BIT_BAD = (
+    (dict(block_size=0), ValueError, "Invalid block_size: 0 (expected an int >= 1)"),
+    (dict(min_8bit_size=-1), ValueError, "Invalid min_8bit_size: -1 (expected an int >= 0)"),
+)
+ADAM8BIT_EDGES = (dict(block_size=1), dict(min_8bit_size=0))
 MOMENTUM_BAD = (
     (dict(momentum=1.0), ValueError,
      "Invalid momentum value: 1.0 (expected a finite number in [0, 1))"),
@@ -253,6 +259,48 @@ OPTIMIZERS = [
                 dict(eps=0.0), dict(ns_steps=1), dict(adamw_eps=0.0), dict(betas=(0.0, 0.0)),
                 dict(adjust_lr_fn=None), dict(ns_dtype=None)),
          factory=lambda params, **options: muon_by_shape(params, **options)),
+    # max_precond_dim=8 on the MLP's (12, 6), (12, 12) and (3, 12) matrices: one rotated
+    # dimension, none (plain AdamW), one
+    Spec(optim.SOAP, (dict(lr=3e-3),
+                      dict(lr=1e-2, betas=(0.9, 0.99), shampoo_beta=0.9, eps=1e-6,
+                           weight_decay=0.1, precondition_frequency=2, max_precond_dim=8),
+                      dict(lr=1e-2, weight_decay=0.0, precondition_frequency=1)),
+         BETAS_BAD
+         + ((dict(shampoo_beta=1.0), ValueError,
+             "Invalid shampoo_beta value: 1.0 (expected a finite number in [0, 1))"),
+            (dict(shampoo_beta="0.9"), TypeError, "Invalid shampoo_beta value: '0.9'"),
+            (dict(precondition_frequency=0), ValueError,
+             "Invalid precondition_frequency: 0 (expected an int >= 1)"),
+            (dict(precondition_frequency=2.0), TypeError, "Invalid precondition_frequency: 2.0"),
+            (dict(max_precond_dim=0), ValueError,
+             "Invalid max_precond_dim: 0 (expected an int >= 1)")),
+         edges=ADAM_EDGES + (dict(shampoo_beta=0.0), dict(shampoo_beta=0.999),
+                             dict(precondition_frequency=1), dict(max_precond_dim=1))),
+    Spec(optim.ScheduleFreeAdamW,
+         (dict(lr=1e-2),
+          dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, warmup_steps=3, r=1.0,
+               weight_lr_power=1.0),
+          dict(lr=2e-2, weight_decay=1e-3, weight_lr_power=0.0)),
+         BETAS_BAD
+         + ((dict(betas=(0.0, 0.999)), ValueError,
+             "Invalid beta parameter at index 0: 0.0 (expected a finite number in (0, 1))"),
+            (dict(warmup_steps=-1), ValueError, "Invalid warmup_steps: -1 (expected an int >= 0)"),
+            (dict(warmup_steps=1.5), TypeError, "Invalid warmup_steps: 1.5"),
+            (dict(r=-1.0), ValueError, "Invalid r: -1.0 (expected a finite number >= 0)"),
+            (dict(weight_lr_power=nan), ValueError, "Invalid weight_lr_power: nan")),
+         edges=(dict(lr=0.0), dict(betas=(1e-3, 0.0)), dict(betas=(0.999, 0.9999)), dict(eps=0.0),
+                dict(weight_decay=0.0), dict(warmup_steps=0), dict(r=0.0),
+                dict(weight_lr_power=0.0))),
+    Spec(optim.Adam8bit, (dict(lr=1e-2),
+                          dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2,
+                               min_8bit_size=16, block_size=32),
+                          dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True,
+                               min_8bit_size=0, block_size=5)),
+         BETAS_BAD + ADAM8BIT_BAD, edges=ADAM_EDGES + ADAM8BIT_EDGES),
+    Spec(optim.AdamW8bit, (dict(lr=1e-2, min_8bit_size=0),
+                           dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1,
+                                min_8bit_size=16, block_size=7)),
+         BETAS_BAD + ADAM8BIT_BAD, edges=ADAM_EDGES + ADAM8BIT_EDGES),
 ]  # fmt: skip
 
 CASES = [(spec, options) for spec in OPTIMIZERS for options in spec.options]
