@@ -14,11 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._util import check_bool, check_int, check_positive, check_real
+from .moe import MoE
 
 __all__ = [
     "GPT",
     "GhostBatchNorm2d",
     "MLP",
+    "MoE",
     "ResNet",
     "count_parameters",
     "ghost_batch_norm",
@@ -221,13 +223,27 @@ class CausalSelfAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block (GPT-2, Radford et al. 2019): x + attn(LN(x)), then x + MLP(LN(x))."""
+    """Pre-norm block (GPT-2, Radford et al. 2019): x + attn(LN(x)), then x + MLP(LN(x)).
 
-    def __init__(self, dim: int, heads: int, dropout: float):
+    With ``moe_experts > 0`` the MLP is a :class:`~lsdl_lab.moe.MoE` of that many experts,
+    each the same MLP, ``moe_top_k`` of them per token (``moe_capacity_factor``)."""
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        dropout: float,
+        moe_experts: int = 0,
+        moe_top_k: int = 2,
+        moe_capacity_factor: float = 1.25,
+    ):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = CausalSelfAttention(dim, heads, dropout)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        if check_int("moe_experts", moe_experts, 0):
+            self.mlp = MoE(dim, 4 * dim, moe_experts, moe_top_k, moe_capacity_factor)
+        else:
+            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,6 +257,11 @@ class GPT(_Counted):
     Token and learned position embeddings, ``layers`` pre-norm blocks, a final LayerNorm
     and an output layer tied to the token embedding. ``forward(idx)`` returns logits of
     shape (B, T, vocab_size).
+
+    ``moe_experts > 0`` makes every block's MLP a mixture of experts
+    (:class:`~lsdl_lab.moe.MoE`, ``moe_top_k`` experts per token, ``moe_capacity_factor``);
+    after a forward, :attr:`aux_loss` sums their load-balancing losses (add ``alpha *
+    aux_loss`` to the training loss; Switch's alpha is 0.01).
     """
 
     def __init__(
@@ -251,6 +272,9 @@ class GPT(_Counted):
         heads: int = 4,
         dim: int = 128,
         dropout: float = 0.0,
+        moe_experts: int = 0,
+        moe_top_k: int = 2,
+        moe_capacity_factor: float = 1.25,
     ):
         super().__init__()
         for name, value in (
@@ -268,14 +292,21 @@ class GPT(_Counted):
         self.tok = nn.Embedding(vocab_size, dim)
         self.pos = nn.Embedding(block_size, dim)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.Sequential(*[TransformerBlock(dim, heads, dropout) for _ in range(layers)])
+        self.blocks = nn.Sequential(
+            *[
+                TransformerBlock(dim, heads, dropout, moe_experts, moe_top_k, moe_capacity_factor)
+                for _ in range(layers)
+            ]
+        )
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.tok.weight  # weight tying (Press & Wolf, 2017), as in GPT-2
         self.apply(self._init)
         # GPT-2's scaled init of the residual projections: 0.02 / sqrt(2 * layers).
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith(("proj.weight", "mlp.2.weight")) or (
+                ".experts." in name and name.endswith(".2.weight")  # each expert's output
+            ):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * layers))
 
     @staticmethod
@@ -284,6 +315,15 @@ class GPT(_Counted):
             nn.init.normal_(m.weight, 0.0, 0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """The sum of the MoE layers' load-balancing losses of the last forward (0 for a
+        dense GPT)."""
+        losses = [m.aux_loss for m in self.blocks.modules() if hasattr(m, "aux_loss")]
+        if any(loss is None for loss in losses):
+            raise RuntimeError("aux_loss: no forward yet (the MoE layers have no loss to sum)")
+        return sum(losses, torch.zeros((), device=self.tok.weight.device))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[-1]

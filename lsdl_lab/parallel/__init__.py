@@ -3,10 +3,22 @@
 * :mod:`~lsdl_lab.parallel.tensor`: Megatron-style tensor parallelism (Shoeybi et al.,
   2019): the f and g operators, column- and row-parallel linear layers, and the book's
   GPT block with its MLP and attention split across ranks.
+* :mod:`~lsdl_lab.parallel.expert`: expert parallelism (GShard, Switch): a mixture of
+  experts' experts split across ranks, the tokens dispatched and combined by all-to-all.
 * :mod:`~lsdl_lab.parallel.pipeline`: a pipeline of stages over point-to-point messages
   with the GPipe and 1F1B schedules, measuring the bubble and the activations in flight.
+* :mod:`~lsdl_lab.parallel.context`: context parallelism, one sequence split across
+  ranks: ring attention (Liu et al., 2023) and DeepSpeed-Ulysses (Jacobs et al., 2023).
 """
 
+from .context import (
+    online_softmax_step,
+    ring_attention,
+    ring_attention_bytes,
+    ulysses_attention,
+    ulysses_attention_bytes,
+)
+from .expert import AllToAll, AllToAllBytes, ExpertParallelMoE, expert_parallel_gpt
 from .pipeline import (
     SCHEDULES,
     PipelineReport,
@@ -32,6 +44,10 @@ from .tensor import (
 
 __all__ = [
     "SCHEDULES",
+    "AllToAll",
+    "AllToAllBytes",
+    "ExpertParallelMoE",
+    "expert_parallel_gpt",
     "ColumnParallelLinear",
     "CopyToParallel",
     "PipelineReport",
@@ -44,9 +60,14 @@ __all__ = [
     "copy_to_parallel",
     "gpipe_schedule",
     "one_f_one_b_schedule",
+    "online_softmax_step",
     "pipeline_step",
     "reduce_from_parallel",
+    "ring_attention",
+    "ring_attention_bytes",
     "shard",
     "tensor_parallel_gpt",
     "torch_pipeline_step",
+    "ulysses_attention",
+    "ulysses_attention_bytes",
 ]
