@@ -7,6 +7,9 @@
 * :mod:`~lsdl_lab.memory.quantize` -- block-wise 8-bit quantization with the dynamic map
   (Dettmers et al. 2022), which keeps :class:`~lsdl_lab.optim.Adam8bit`'s states in one
   byte a value.
+* :mod:`~lsdl_lab.memory.fp8` -- FP8 numerics emulated (Micikevicius et al. 2022): the e4m3
+  and e5m2 formats, per-tensor (current, delayed) and per-block (MX) scaling, a linear layer
+  with FP8 operands.
 * :mod:`~lsdl_lab.memory.recompute` -- activation checkpointing (Chen et al. 2016).
 * :mod:`~lsdl_lab.memory.zero` -- bytes per rank under ZeRO's stages (Rajbhandari et al.
   2020).
@@ -26,6 +29,15 @@ from .calculator import (
     resnet_activation_bytes,
     resnet_memory,
     resnet_param_shapes,
+)
+from .fp8 import (
+    DelayedScaling,
+    FP8Linear,
+    convert_to_fp8,
+    dequantize_fp8,
+    fp8_counts,
+    fp8_round_trip,
+    quantize_fp8,
 )
 from .measure import SavedTensorBytes, format_bytes, format_table, measure, measure_by_dtype
 from .precision import (
@@ -58,10 +70,16 @@ __all__ = [
     "amp_step",
     "bf16_range_vs_precision",
     "checkpoint_sequential",
+    "convert_to_fp8",
+    "DelayedScaling",
+    "dequantize_fp8",
     "dequantize_blockwise",
     "dynamic_map",
     "format_bytes",
     "format_table",
+    "fp8_counts",
+    "fp8_round_trip",
+    "FP8Linear",
     "fp16_underflow",
     "gpt_memory",
     "gpt_param_shapes",
@@ -71,6 +89,7 @@ __all__ = [
     "mixed_precision_for",
     "optimizer_state_bytes",
     "quantize_blockwise",
+    "quantize_fp8",
     "quantized_bytes",
     "Recompute",
     "ResNetShape",
