@@ -2,7 +2,8 @@
 
 * :mod:`~lsdl_lab.parallel.tensor`: Megatron-style tensor parallelism (Shoeybi et al.,
   2019): the f and g operators, column- and row-parallel linear layers, and the book's
-  GPT block with its MLP and attention split across ranks.
+  GPT block with its MLP and attention split across ranks; with sequence parallelism
+  (Korthikanti et al., 2022), its LayerNorms and dropouts split along the sequence.
 * :mod:`~lsdl_lab.parallel.expert`: expert parallelism (GShard, Switch): a mixture of
   experts' experts split across ranks, the tokens dispatched and combined by all-to-all.
 * :mod:`~lsdl_lab.parallel.pipeline`: a pipeline of stages over point-to-point messages
@@ -31,13 +32,18 @@ from .pipeline import (
 from .tensor import (
     ColumnParallelLinear,
     CopyToParallel,
+    GatherFromSequenceParallel,
     ReduceFromParallel,
+    ReduceScatterToSequenceParallel,
     RowParallelLinear,
     TensorParallelAttention,
     TensorParallelBlock,
     TensorParallelMLP,
+    all_reduce_sequence_parallel_grads,
     copy_to_parallel,
+    gather_from_sequence_parallel,
     reduce_from_parallel,
+    reduce_scatter_to_sequence_parallel,
     shard,
     tensor_parallel_gpt,
 )
@@ -50,19 +56,24 @@ __all__ = [
     "expert_parallel_gpt",
     "ColumnParallelLinear",
     "CopyToParallel",
+    "GatherFromSequenceParallel",
     "PipelineReport",
     "ReduceFromParallel",
+    "ReduceScatterToSequenceParallel",
     "RowParallelLinear",
     "TensorParallelAttention",
     "TensorParallelBlock",
     "TensorParallelMLP",
+    "all_reduce_sequence_parallel_grads",
     "bubble_fraction",
     "copy_to_parallel",
+    "gather_from_sequence_parallel",
     "gpipe_schedule",
     "one_f_one_b_schedule",
     "online_softmax_step",
     "pipeline_step",
     "reduce_from_parallel",
+    "reduce_scatter_to_sequence_parallel",
     "ring_attention",
     "ring_attention_bytes",
     "shard",
