@@ -13,6 +13,8 @@
   asynchronous SGD with bounded staleness.
 * :mod:`~lsdl_lab.distributed.local_sgd`: communicating less often: gradient accumulation with
   ``no_sync``, local SGD and post-local SGD, overlap of communication with the backward pass.
+* :mod:`~lsdl_lab.distributed.diloco`: :class:`DiLoCo`, local steps of an inner optimizer and,
+  every H steps, an outer Nesterov step on the averaged pseudo-gradient (Douillard et al. 2023).
 * :mod:`~lsdl_lab.distributed.traffic`: :class:`CollectiveBytes`, the one count of the bytes
   a rank hands to the collectives, for every experiment and the entry point.
 
@@ -46,6 +48,7 @@ from .cost import (
     ring_all_to_all_time,
     tree_all_reduce_time,
 )
+from .diloco import DiLoCo
 from .local_sgd import (
     PeriodicAverager,
     accumulate_gradients,
@@ -71,6 +74,7 @@ from .world import (
 __all__ = [
     "AlphaBeta",
     "CollectiveBytes",
+    "DiLoCo",
     "PeriodicAverager",
     "accumulate_gradients",
     "all_reduce_gradients",
