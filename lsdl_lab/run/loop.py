@@ -137,7 +137,10 @@ def train(config: Config) -> list[dict]:
     config, why = _precision(config, where.device)
     rank, world, created = _join(config, where.backend)
     try:
-        return _run(config, rank, world, where, why)
+        records = _run(config, rank, world, where, why)
+        if created and world > 1:  # no rank tears the group down while a peer still uses it
+            dist.barrier()
+        return records
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
