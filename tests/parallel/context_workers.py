@@ -7,6 +7,7 @@ made: small numbers, not tensors, travel back."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from parallel_workers import refusal
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -68,14 +69,6 @@ def _largest(method, p, s, group=None):
     return seen.numel
 
 
-def _refusal(fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except (TypeError, ValueError) as error:
-        return type(error).__name__, str(error)
-    return None
-
-
 def context_report(rank, p):
     """Every check of one world of p ranks: ``{(method, dtype, causal): run}`` for the
     methods that apply (Ulysses when p divides the heads), bfloat16 ring attention,
@@ -93,10 +86,10 @@ def context_report(rank, p):
     report["bfloat16"] = _run("ring", rank, p, S_SHARD, torch.bfloat16, True)
     x = torch.zeros(B, H, S_SHARD, D)
     report["refusals"] = {
-        "q": _refusal(ring_attention, x[0], x, x),
-        "k": _refusal(ulysses_attention, x, x[:, :, :2], x),
-        "v": _refusal(ring_attention, x, x, x.double()),
-        "heads": _refusal(ulysses_attention, *(torch.zeros(B, p + 1, 2, D),) * 3),
+        "q": refusal(ring_attention, x[0], x, x),
+        "k": refusal(ulysses_attention, x, x[:, :, :2], x),
+        "v": refusal(ring_attention, x, x, x.double()),
+        "heads": refusal(ulysses_attention, *(torch.zeros(B, p + 1, 2, D),) * 3),
     }
     if p == 4:
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

@@ -7,6 +7,7 @@ so it computes the reference itself: the one-process layer on each rank's tokens
 
 import torch
 import torch.distributed as dist
+from parallel_workers import refusal
 
 from lsdl_lab.distributed.traffic import BuiltInCollective, SentMessages
 from lsdl_lab.models import GPT, MoE
@@ -151,14 +152,6 @@ def _gpt(rank, p):
     }
 
 
-def _refusal(fn, *args):
-    try:
-        fn(*args)
-    except (TypeError, ValueError) as error:
-        return type(error).__name__, str(error)
-    return None
-
-
 def _forbidden_inside_sent_messages():
     """SentMessages(forbid=True) does raise on a built-in collective (so the MoE's step
     inside such a block used none)."""
@@ -176,8 +169,8 @@ def expert_parallel_report(rank, world_size):
     report["gpt"] = _gpt(rank, world_size)
     report["forbid_works"] = _forbidden_inside_sent_messages()
     report["refusals"] = {
-        "experts": _refusal(ExpertParallelMoE.from_dense, MoE(DIM, HIDDEN, 5, 1)),
-        "moe": _refusal(ExpertParallelMoE.from_dense, torch.nn.Linear(2, 2)),
-        "dense": _refusal(expert_parallel_gpt, GPT(13, 8, layers=1, heads=2, dim=DIM)),
+        "experts": refusal(ExpertParallelMoE.from_dense, MoE(DIM, HIDDEN, 5, 1)),
+        "moe": refusal(ExpertParallelMoE.from_dense, torch.nn.Linear(2, 2)),
+        "dense": refusal(expert_parallel_gpt, GPT(13, 8, layers=1, heads=2, dim=DIM)),
     }
     return report

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from parallel_workers import refusal
 
 from lsdl_lab.distributed import CollectiveBytes
 from lsdl_lab.distributed.traffic import COUNTED
@@ -103,14 +104,6 @@ def _rank_masks(seed, rank, world_size):
             ones = torch.ones(B, T // world_size, DIM, dtype=torch.float64)
             m.append(F.dropout(ones, DROPOUT, training=True))
     return [torch.cat(m, dim=1) for m in masks]
-
-
-def _refusal(fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except (TypeError, ValueError) as error:
-        return type(error).__name__, str(error)
-    return None
 
 
 def sequence_parallel_report(rank, world_size):
@@ -212,10 +205,10 @@ def sequence_parallel_report(rank, world_size):
     }
 
     report["refusals"] = {
-        "sequence": _refusal(reduce_scatter_to_sequence_parallel, torch.ones(B, T + 1, DIM)),
-        "flag": _refusal(TensorParallelBlock, block, sequence_parallel=1),
-        "tp dropout": _refusal(TensorParallelBlock, dropped),
-        "attention dropout": _refusal(
+        "sequence": refusal(reduce_scatter_to_sequence_parallel, torch.ones(B, T + 1, DIM)),
+        "flag": refusal(TensorParallelBlock, block, sequence_parallel=1),
+        "tp dropout": refusal(TensorParallelBlock, dropped),
+        "attention dropout": refusal(
             TensorParallelBlock, TransformerBlock(DIM, HEADS, DROPOUT), sequence_parallel=True
         ),
     }
