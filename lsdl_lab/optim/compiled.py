@@ -139,12 +139,7 @@ def computed_once(values):
     if isinstance(values, Tensor):
         return values.as_strided(values.shape, values.stride())
     if isinstance(values, (list, tuple)):  # the same value, repeated, stored once
-        out: list = []
-        previous = None
-        for x in values:
-            out.append(out[-1] if out and x is previous else computed_once(x))
-            previous = x
-        return out
+        return map_once(lambda x: x, values)
     return values  # a Python number: a constant of the graph
 
 
