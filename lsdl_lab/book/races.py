@@ -23,25 +23,48 @@ synchronization), and the update alone (``opt.step``) separately, so the cost of
 preconditioner refresh can be read off the steps on which it happens. Evaluating the
 loss that is compared with the target (after the step, in fit's callback) is not timed.
 In a dry run (:mod:`lsdl_lab.profiles`) fit caps the steps.
+
+A run may follow a learning-rate schedule (a factor of the step, :mod:`lsdl_lab.schedules`,
+applied by ``LambdaLR``), and an optimizer with two points, like
+:class:`~lsdl_lab.optim.ScheduleFreeAdamW`, is evaluated at its average (``eval()``, then
+``train()`` again). :func:`modern_optimizers` holds the race of 2026 (AdamW, Muon, SOAP,
+Shampoo and schedule-free AdamW, each with its paper's hyperparameters), and
+:func:`sweep` the short learning-rate sweep that gives AdamW its best one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from .. import optim, schedules
 from .._util import check_int, check_real, eval_mode
 from ..memory.measure import measure
 from ..optim.second_order import SecondOrderOptimizer
 from ..train import LossFunction, StepResult, fit
 
-__all__ = ["Run", "TimedStep", "race", "relative_cost", "state_bytes", "train_run"]
+__all__ = [
+    "SCHEDULE_FREE",
+    "SWEPT",
+    "ModernRace",
+    "Run",
+    "TimedStep",
+    "modern_optimizers",
+    "modern_race",
+    "race",
+    "relative_cost",
+    "state_bytes",
+    "sweep",
+    "train_run",
+    "warmup_cosine",
+]
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -103,6 +126,16 @@ class Run:
         evaluated = [x for x in self.losses if not math.isnan(x)]
         return evaluated[-1] if evaluated else math.nan
 
+    def loss_at_seconds(self, budget: float) -> float:
+        """The last loss evaluated within ``budget`` training seconds (NaN: none was; the
+        run's final loss when it diverged after the budget, infinity when before)."""
+        check_real("budget", budget, 0.0)
+        within = [x for x, s in zip(self.losses, self.seconds) if s <= budget]
+        if self.diverged and len(within) == len(self.seconds):
+            return math.inf
+        evaluated = [x for x in within if not math.isnan(x)]
+        return evaluated[-1] if evaluated else math.nan
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -152,6 +185,22 @@ class _Diverged(Exception):
     """Raised from fit's callback to end a run whose loss is no longer finite."""
 
 
+@contextlib.contextmanager
+def _evaluation_point(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """The parameters at the point an optimizer with two of them evaluates (schedule-free's
+    average: its ``eval()``), and back at its training point after (``train()``)."""
+    two_points = callable(getattr(optimizer, "eval", None)) and callable(
+        getattr(optimizer, "train", None)
+    )
+    if two_points:
+        optimizer.eval()
+    try:
+        yield
+    finally:
+        if two_points:
+            optimizer.train()
+
+
 def train_run(
     name: str,
     model: nn.Module,
@@ -162,23 +211,31 @@ def train_run(
     evaluate: Callable[[nn.Module], float] | None = None,
     eval_every: int = 1,
     progress: bool = True,
+    schedule: Callable[[int], float] | None = None,
 ) -> Run:
     """Train ``model`` with ``optimizer`` for ``steps`` steps on ``batches(t)`` (``t = 0,
     1, ...``) and record a :class:`Run`: :func:`lsdl_lab.train.fit` with a
     :class:`TimedStep`. ``evaluate(model)`` gives the loss compared with targets (default:
     the training batch's loss before the step, as most training loops log); it runs in
-    evaluation mode, without gradients, every ``eval_every`` steps and after the last. A
-    loss that is not finite ends the run (``diverged``). ``progress`` shows a bar of the
-    steps."""
+    evaluation mode, without gradients, every ``eval_every`` steps and after the last, at
+    the optimizer's evaluation point (schedule-free's average). A loss that is not finite
+    ends the run (``diverged``). ``progress`` shows a bar of the steps. ``schedule``, a
+    factor of the step, scales every group's learning rate (``LambdaLR``, stepped by fit
+    after each step; not timed)."""
     steps = check_int("steps", steps, 1)
     eval_every = check_int("eval_every", eval_every, 1)
+    if schedule is not None and not callable(schedule):
+        raise TypeError(
+            f"Invalid schedule: {schedule!r} (expected a function of the step, or None)"
+        )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     device = params[0].device if params else torch.device("cpu")
     run = Run(name, sum(p.numel() for p in model.parameters() if p.requires_grad))
     step = TimedStep(run, device)
+    scheduler = None if schedule is None else torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
     def evaluated() -> float:
-        with eval_mode(model), torch.no_grad():
+        with eval_mode(model), torch.no_grad(), _evaluation_point(optimizer):
             return float(evaluate(model))
 
     def after_step(done: int, _history) -> None:
@@ -196,6 +253,7 @@ def train_run(
             steps,
             step=step,
             task=LossFunction(loss_fn),
+            scheduler=scheduler,
             device=device,
             progress=progress,
             callback=after_step,
@@ -221,25 +279,165 @@ def race(
     evaluate: Callable[[nn.Module], float] | None = None,
     eval_every: int = 1,
     progress: Callable[[Iterable], Iterable] | None = None,
+    schedules: Mapping[str, Callable[[int], float]] | None = None,
 ) -> dict[str, Run]:
     """One :func:`train_run` per optimizer, each on a fresh ``make_model()`` (which should
     seed itself, so that every optimizer starts from the same weights) and the same
     ``batches``. ``optimizers`` maps a name to a function of the model that builds the
     optimizer (K-FAC takes the model, the others its parameters). ``progress`` wraps the
-    names (``tqdm.auto.tqdm``, say)."""
+    names (``tqdm.auto.tqdm``, say). ``schedules`` maps some of the names to their
+    learning-rate schedules (the others keep a constant rate)."""
     if not isinstance(optimizers, Mapping) or not optimizers:
         raise ValueError(
             f"Invalid optimizers: {optimizers!r} (expected a non-empty mapping from names to "
             "functions of the model)"
+        )
+    schedules = dict(schedules or {})
+    if set(schedules) - set(optimizers):
+        raise ValueError(
+            f"Invalid schedules: names {sorted(set(schedules) - set(optimizers))} (expected "
+            f"some of the optimizers' names {list(optimizers)})"
         )
     names = list(optimizers)
     runs = {}
     for name in progress(names) if progress is not None else names:
         model = make_model()
         runs[name] = train_run(
-            name, model, optimizers[name](model), batches, steps, loss_fn, evaluate, eval_every
-        )
+            name, model, optimizers[name](model), batches, steps, loss_fn, evaluate, eval_every,
+            schedule=schedules.get(name),
+        )  # fmt: skip
     return runs
+
+
+def sweep(
+    make_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[nn.Module, float], torch.optim.Optimizer],
+    lrs: Sequence[float],
+    batches: Callable[[int], tuple[Tensor, Tensor]],
+    steps: int,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    evaluate: Callable[[nn.Module], float] | None = None,
+    eval_every: int = 1,
+    schedule: Callable[[int], float] | None = None,
+) -> tuple[float, dict[float, Run]]:
+    """A learning-rate sweep: one :func:`race` entry per rate in ``lrs`` (``make_optimizer(
+    model, lr)``), all on the same schedule; returns the rate whose run ended lowest
+    (:meth:`Run.final_loss`; a diverged run never wins) and every run by rate."""
+    lrs = [check_real("lrs", lr, 0.0, low_open=True) for lr in lrs]
+    if not lrs:
+        raise ValueError("Invalid lrs: [] (expected at least one learning rate)")
+    names = {lr: f"lr={lr:g}" for lr in lrs}
+    runs = race(
+        make_model,
+        {names[lr]: (lambda model, lr=lr: make_optimizer(model, lr)) for lr in lrs},
+        batches, steps, loss_fn, evaluate, eval_every,
+        schedules=None if schedule is None else {name: schedule for name in names.values()},
+    )  # fmt: skip
+    by_lr = {lr: runs[names[lr]] for lr in lrs}
+    return min(lrs, key=lambda lr: by_lr[lr].final_loss()), by_lr
+
+
+def warmup_cosine(steps: int, warmup: int) -> Callable[[int], float]:
+    """AdamW's usual schedule for a run of ``steps``: linear warmup over ``warmup`` steps,
+    then a cosine decay to zero over the rest (:func:`lsdl_lab.schedules.warmup_then`)."""
+    steps = check_int("steps", steps, 1)
+    warmup = check_int("warmup", warmup, 0, steps - 1)
+    return schedules.warmup_then(warmup, schedules.cosine_decay(steps - warmup), total_steps=steps)
+
+
+#: the one contender of :func:`modern_optimizers` that runs without a schedule
+SCHEDULE_FREE = "schedule-free AdamW"
+#: the contenders whose learning rate :func:`modern_race` sweeps
+SWEPT = ("AdamW", "SOAP")
+
+
+def modern_optimizers(
+    adamw_lr: float,
+    soap_lr: float,
+    warmup: int,
+    betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.1,
+) -> dict[str, Callable[[nn.Module], torch.optim.Optimizer]]:
+    """The race of 2026, name to a function of the model building the optimizer, each with
+    its paper's hyperparameters, scaled as its docstring says:
+
+    * ``"AdamW"``: ``adamw_lr``, ``betas`` and ``weight_decay`` (nanoGPT's and most
+      language models' 0.9, 0.95 and 0.1);
+    * ``"Muon"``: the same rate and decay (Liu et al.'s shape scaling makes AdamW's carry
+      over), momentum 0.95 with Nesterov and five Newton–Schulz steps (Jordan et al.); its
+      AdamW groups (:func:`~lsdl_lab.optim.muon_param_groups`) take ``betas``;
+    * ``"SOAP"``: ``soap_lr``, and the authors' other defaults (``betas=(0.95, 0.95)``,
+      weight decay 0.01, eigenbases every 10 steps);
+    * ``"Shampoo"``: Adagrad grafting at ``lr=0.03`` (the rate Lab 6 measured best for the
+      GPT), roots every 10 steps;
+    * :data:`SCHEDULE_FREE`: ``adamw_lr`` with ``betas``, and the same ``warmup`` as its
+      only schedule (Defazio et al.: a rate like the scheduled AdamW's).
+
+    Every one but schedule-free is meant to run under :func:`warmup_cosine`.
+    """
+    adamw_lr = check_real("adamw_lr", adamw_lr, 0.0, low_open=True)
+    soap_lr = check_real("soap_lr", soap_lr, 0.0, low_open=True)
+    warmup = check_int("warmup", warmup, 0)
+    return {
+        "AdamW": lambda m: optim.AdamW(m.parameters(), lr=adamw_lr, betas=betas,
+                                       weight_decay=weight_decay),
+        "Muon": lambda m: optim.Muon(optim.muon_param_groups(m, betas=betas), lr=adamw_lr,
+                                     weight_decay=weight_decay),
+        "SOAP": lambda m: optim.SOAP(m.parameters(), lr=soap_lr),
+        "Shampoo": lambda m: optim.Shampoo(m.parameters(), lr=0.03, update_freq=10),
+        SCHEDULE_FREE: lambda m: optim.ScheduleFreeAdamW(m.parameters(), lr=adamw_lr,
+                                                         betas=betas, warmup_steps=warmup),
+    }  # fmt: skip
+
+
+@dataclass
+class ModernRace:
+    """The result of :func:`modern_race`: one :class:`Run` per contender (``runs``, in
+    :func:`modern_optimizers`' order), the learning rate each swept contender got
+    (``lr``) and every run of its sweep (``sweeps``, by rate)."""
+
+    runs: dict[str, Run]
+    lr: dict[str, float]
+    sweeps: dict[str, dict[float, Run]]
+
+
+def modern_race(
+    make_model: Callable[[], nn.Module],
+    batches: Callable[[int], tuple[Tensor, Tensor]],
+    steps: int,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    evaluate: Callable[[nn.Module], float] | None = None,
+    eval_every: int = 1,
+    lrs: Sequence[float] = (3e-3, 1e-2, 3e-2),
+    warmup: int | None = None,
+    progress: Callable[[Iterable], Iterable] | None = None,
+) -> ModernRace:
+    """The race of 2026 (:func:`modern_optimizers`) at equal steps, on the same batches from
+    the same weights. AdamW and SOAP each get the best of a :func:`sweep` over ``lrs`` (the
+    sweep's best run is the race's run), under :func:`warmup_cosine` with ``warmup`` steps
+    (default: a tenth of the run); Muon and schedule-free AdamW then take AdamW's best rate,
+    Muon and Shampoo its schedule."""
+    steps = check_int("steps", steps, 1)
+    warmup = steps // 10 if warmup is None else check_int("warmup", warmup, 0, steps - 1)
+    schedule = warmup_cosine(steps, warmup)
+    lr, sweeps = {}, {}
+    for name in SWEPT:
+        lr[name], sweeps[name] = sweep(
+            make_model,
+            lambda model, rate, name=name: modern_optimizers(rate, rate, warmup)[name](model),
+            lrs, batches, steps, loss_fn, evaluate, eval_every, schedule,
+        )  # fmt: skip
+    contenders = modern_optimizers(lr["AdamW"], lr["SOAP"], warmup)
+    rest = {name: make for name, make in contenders.items() if name not in SWEPT}
+    ran = race(
+        make_model, rest, batches, steps, loss_fn, evaluate, eval_every, progress,
+        schedules={name: schedule for name in rest if name != SCHEDULE_FREE},
+    )  # fmt: skip
+    runs = {}
+    for name in contenders:
+        runs[name] = sweeps[name][lr[name]] if name in SWEPT else ran[name]
+        runs[name].name = name
+    return ModernRace(runs, lr, sweeps)
 
 
 def _median_step_seconds(run: Run) -> float:

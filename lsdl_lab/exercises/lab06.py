@@ -1,14 +1,17 @@
 r"""Checkers of Lab 6, second-order optimization: a conjugate-gradient step, a
-Kronecker-factored solve, a matrix inverse root.
+Kronecker-factored solve, a matrix inverse root, Muon's Newton–Schulz iteration.
 
 The references are the library's own pieces, so a student whose function passes has
 rebuilt what the lab's optimizers run: one iteration of :func:`lsdl_lab.curvature.cg`
 (Hestenes & Stiefel, 1952), the solve at the heart of K-FAC (Martens & Grosse, 2015;
 :func:`lsdl_lab.optim.kfac.kfac_precondition`), and Shampoo's inverse root (Gupta et al.,
-2018; :func:`lsdl_lab.optim.shampoo.inverse_root`). When a function fails, the checker
-looks for the usual slips (the old residual in the new direction's coefficient, the
-factors swapped or transposed, an elementwise power instead of a matrix power, no floor
-on the eigenvalues) and names the one it finds.
+2018; :func:`lsdl_lab.optim.shampoo.inverse_root`), and the quintic Newton–Schulz
+iteration of Muon (Jordan et al., 2024; :func:`lsdl_lab.optim.muon.newton_schulz`, in the
+matrix's own dtype). When a function fails, the checker looks for the usual slips (the
+old residual in the new direction's coefficient, the factors swapped or transposed, an
+elementwise power instead of a matrix power, no floor on the eigenvalues, no Frobenius
+normalization, a tall matrix's result left transposed, the cubic iteration) and names the
+one it finds.
 
 Two checks go beyond the values, because a right value can come from the wrong cost:
 
@@ -20,6 +23,10 @@ Two checks go beyond the values, because a right value can come from the wrong c
   numbers than :math:`A`, :math:`G` and :math:`V` together. A solve through the Kronecker
   product (``torch.kron``, an outer product by ``einsum`` or by broadcasting), whose
   :math:`mn \times mn` matrix holds :math:`(mn)^2` numbers, is refused.
+- ``newton_schulz`` runs under the same counter on a tall and a wide matrix and must never
+  make a tensor larger than the matrix itself: the Gram matrix :math:`XX^\top` must be the
+  smaller one, :math:`\min(m, n)^2`, which for a tall matrix means working on its
+  transpose (the values are the same either way; the cost is not).
 """
 
 from __future__ import annotations
@@ -30,9 +37,11 @@ from torch.overrides import TorchFunctionMode
 
 from ..check import CheckFailed, check_function, exercise, with_hints
 from ..curvature import DenseOperator
+from ..optim.muon import NS_COEFFICIENTS
+from ..optim.muon import newton_schulz as muon_newton_schulz
 from ..optim.shampoo import inverse_root as shampoo_inverse_root
 
-__all__ = ["LargestTensor", "cg_step", "inverse_root", "kron_solve"]
+__all__ = ["LargestTensor", "cg_step", "inverse_root", "kron_solve", "newton_schulz"]
 
 
 def cg_step(A: Tensor, x: Tensor, r: Tensor, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -66,6 +75,19 @@ def inverse_root(H: Tensor, p: float, epsilon: float) -> Tensor:
     :math:`H = Q\Lambda Q^\top`: :math:`Q \max(\Lambda, \epsilon)^{-p} Q^\top`, computed in
     float64 and returned in ``H``'s dtype (Shampoo's :math:`L^{-1/4}` is ``p = 1/4``)."""
     return shampoo_inverse_root(H, p, epsilon)
+
+
+def newton_schulz(G: Tensor, steps: int = 5) -> Tensor:
+    r"""Muon's quintic Newton–Schulz iteration (Jordan et al., 2024), in ``G``'s dtype:
+
+    .. math::
+        X_0 = G / \|G\|_F, \qquad A_j = X_j X_j^\top, \qquad
+        X_{j+1} = a X_j + (b A_j + c A_j^2)\, X_j
+
+    with :math:`(a, b, c) = (3.4445, -4.7750, 2.0315)`, on :math:`G^\top` (and the result
+    transposed back) when ``G`` has more rows than columns. Nearly the orthogonal factor
+    :math:`UV^\top` of :math:`G = U\Sigma V^\top`."""
+    return muon_newton_schulz(G, steps, dtype=None)
 
 
 # -- the checks -------------------------------------------------------------------------
@@ -322,3 +344,88 @@ def check_inverse_root(student_fn) -> None:
     if not torch.allclose(four, torch.eye(5, dtype=H.dtype), atol=1e-8):
         raise CheckFailed("your H^{-1/4} to the fourth power times H is not the identity")
     print("✔ inverse_root: equals Shampoo's float64 eigendecomposition root, floor included")
+
+
+def _ns_slip_no_normalization(G, steps=5):
+    a, b, c = NS_COEFFICIENTS
+    X = G.T if G.size(0) > G.size(1) else G
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if G.size(0) > G.size(1) else X
+
+
+def _ns_slip_not_transposed_back(G, steps=5):
+    return muon_newton_schulz(G.T if G.size(0) > G.size(1) else G, steps, dtype=None)
+
+
+def _ns_slip_cubic(G, steps=5):
+    X = G / G.norm()
+    for _ in range(steps):
+        X = 1.5 * X - 0.5 * X @ X.T @ X
+    return X
+
+
+@exercise("lab06.newton_schulz")
+def check_newton_schulz(student_fn) -> None:
+    wide, tall, square = _matrix(4, 7, 0), _matrix(9, 5, 1), _matrix(6, 6, 2)
+    cases = [
+        (wide, 5),
+        (tall, 5),  # more rows than columns: the iteration runs on the transpose
+        (square, 5),
+        (3.0 * _matrix(5, 8, 3), 3),  # a norm above the polynomial's range, and 3 steps
+        (_matrix(3, 6, 4, torch.float32), 5),  # float32 in, float32 out
+    ]
+    # tolerances for float32, whose rounding depends on the order of the products
+    _check(
+        student_fn,
+        newton_schulz,
+        cases,
+        "newton_schulz",
+        [
+            (
+                _ns_slip_no_normalization,
+                cases[3],
+                "divide G by its Frobenius norm first: the "
+                "polynomial keeps only singular values in (0, 1] in a band around 1; larger ones "
+                "blow up",
+            ),
+            (
+                _ns_slip_not_transposed_back,
+                cases[1],
+                "for a tall G you iterate on Gᵀ: transpose the result back to G's shape",
+            ),
+            (
+                _ns_slip_cubic,
+                cases[0],
+                "that is the cubic iteration 1.5 X - 0.5 X Xᵀ X; Muon's is "
+                "quintic: a X + (b A + c A²) X with A = X Xᵀ and (a, b, c) = (3.4445, -4.7750, "
+                "2.0315)",
+            ),
+        ],
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # The cost: the Gram matrix must be the smaller one, min(m, n)^2 numbers; on a 64 x 4
+    # matrix XXᵀ would be 64 x 64, sixteen times the matrix itself.
+    for G in (_matrix(64, 4, 5), _matrix(4, 64, 6)):
+        with LargestTensor() as seen:
+            got = student_fn(G, 5)
+        if seen.numel > G.numel():
+            raise CheckFailed(
+                f"on a {G.size(0)} x {G.size(1)} matrix your newton_schulz made a tensor of "
+                f"{seen.numel:,} numbers (by {seen.where}), more than the matrix itself "
+                f"({G.numel():,}): form the smaller Gram matrix, min(m, n)², by iterating on "
+                "Gᵀ when G has more rows than columns"
+            )
+        if not torch.allclose(got, newton_schulz(G, 5), rtol=1e-5, atol=1e-6):
+            raise CheckFailed(f"your newton_schulz differs on a {G.size(0)} x {G.size(1)} matrix")
+    # What Muon runs: the library's iteration, in float32 here
+    G = _matrix(8, 12, 7, torch.float32)
+    if not torch.allclose(student_fn(G, 5), muon_newton_schulz(G, 5, dtype=torch.float32),
+                          rtol=1e-4, atol=1e-5):  # fmt: skip
+        raise CheckFailed("your newton_schulz differs from lsdl_lab.optim.muon's in float32")
+    print(
+        "✔ newton_schulz: equals Muon's quintic iteration (lsdl_lab.optim.muon), tall and "
+        "wide, with the smaller Gram matrix"
+    )

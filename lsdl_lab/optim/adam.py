@@ -25,14 +25,7 @@ from __future__ import annotations
 import torch
 
 from .base import Optimizer
-from .compiled import map_once
-from .pieces import (
-    adam_denominator,
-    adam_moments_,
-    addcdiv_,
-    coupled_weight_decay,
-    decoupled_weight_decay_,
-)
+from .pieces import adam_moments_, adam_step_, coupled_weight_decay, decoupled_weight_decay_
 
 __all__ = ["Adam", "AdamW"]
 
@@ -96,8 +89,7 @@ class Adam(Optimizer):
             v_max = self.buffer(params, "max_exp_avg_sq")
             torch._foreach_maximum_(v_max, v)
             v = v_max
-        denom = adam_denominator(v, map_once(lambda k: 1 - beta2**k, t), eps)
-        addcdiv_(params, m, denom, map_once(lambda k: -lr / (1 - beta1**k), t))
+        adam_step_(params, m, v, t, lr, beta1, beta2, eps)
 
 
 class AdamW(Adam):

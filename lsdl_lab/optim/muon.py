@@ -39,7 +39,8 @@ over to Muon unchanged, and the parameters given to AdamW in the same optimizer 
 **What Muon must not touch.** Embeddings, the output layer, gains and biases are not hidden
 maps (an embedding row is a lookup, not a direction; a vector has no singular values), and
 Jordan et al. and Liu et al. train them with AdamW. A group with ``use_muon=False`` runs
-AdamW's arithmetic (:func:`~lsdl_lab.optim.pieces.adam_moments_` and the other pieces of
+AdamW's arithmetic (:func:`~lsdl_lab.optim.pieces.adam_moments_`,
+:func:`~lsdl_lab.optim.pieces.adam_step_` and the other pieces of
 :class:`~lsdl_lab.optim.AdamW`, bit for bit torch.optim.AdamW); a group with
 ``use_muon=True`` (the default) takes 2-D parameters only, and refuses any other by name.
 :func:`muon_param_groups` splits a model that way.
@@ -92,14 +93,7 @@ from torch import Tensor, nn
 
 from .._util import check_bool, check_choice, check_int, check_nonnegative, check_real
 from .base import Optimizer
-from .compiled import map_once
-from .pieces import (
-    adam_denominator,
-    adam_moments_,
-    add_scaled_,
-    addcdiv_,
-    decoupled_weight_decay_,
-)
+from .pieces import adam_moments_, adam_step_, add_scaled_, decoupled_weight_decay_
 
 __all__ = ["Muon", "muon_param_groups", "newton_schulz", "newton_schulz_flops", "shape_scale"]
 
@@ -281,8 +275,7 @@ class Muon(Optimizer):
         t = self.count_steps(params)
         decoupled_weight_decay_(params, lr, lam)
         adam_moments_(m, v, grads, beta1, beta2)
-        denom = adam_denominator(v, map_once(lambda k: 1 - beta2**k, t), group["adamw_eps"])
-        addcdiv_(params, m, denom, map_once(lambda k: -lr / (1 - beta1**k), t))
+        adam_step_(params, m, v, t, lr, beta1, beta2, group["adamw_eps"])
 
 
 def muon_param_groups(

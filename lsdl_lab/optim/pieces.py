@@ -11,6 +11,8 @@ the others return new tensors (or, where they say so, update buffers given to th
 * :func:`momentum`: the heavy-ball or Nesterov direction from a momentum buffer (SGD, LARS).
 * :func:`adam_moments_`: Adam's two exponential averages (Adam, NAdam, LAMB).
 * :func:`adam_denominator`: :math:`\sqrt{\hat v_t} + \epsilon` (Adam, NAdam, LAMB).
+* :func:`adam_step_`: Adam's bias-corrected step from its moments (Adam and AdamW, the
+  AdamW groups of Muon).
 
 And the operations whose scalars are per-step values (a learning rate, a bias correction):
 on the compiled path (:mod:`lsdl_lab.optim.compiled`) these are 0-d tensors, which the
@@ -34,6 +36,7 @@ __all__ = [
     "addcdiv_",
     "adam_denominator",
     "adam_moments_",
+    "adam_step_",
     "coupled_weight_decay",
     "decoupled_weight_decay_",
     "host_scalars",
@@ -144,3 +147,22 @@ def adam_denominator(v: list[Tensor], bc2: list[float], eps: float) -> list[Tens
     torch._foreach_div_(denom, map_once(lambda c: c**0.5, bc2))
     torch._foreach_add_(denom, eps)
     return denom
+
+
+def adam_step_(
+    params: list[Tensor],
+    m: list[Tensor],
+    v: list[Tensor],
+    t: list[int],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    r""":math:`w_t = w_{t-1} - \frac{\eta}{1-\beta_1^t}\,
+    \frac{m_t}{\sqrt{v_t / (1-\beta_2^t)} + \epsilon}`, in place: Adam's step from its
+    moments (torch.optim's order: the denominator, then one ``addcdiv`` with the first
+    moment's bias correction folded into the step size); ``t`` holds each tensor's step
+    count."""
+    denom = adam_denominator(v, map_once(lambda k: 1 - beta2**k, t), eps)
+    addcdiv_(params, m, denom, map_once(lambda k: -lr / (1 - beta1**k), t))

@@ -1,5 +1,6 @@
 """races: one fresh model per optimizer on the same batches; steps, seconds and state bytes
-recorded as the optimizers' own protocols require."""
+recorded as the optimizers' own protocols require; schedules, schedule-free's evaluation at
+its average, the learning-rate sweep, and the race of 2026 with its state counted exactly."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from lsdl_lab import optim
 from lsdl_lab.book import races
+from lsdl_lab.models import GPT
 
 
 def data(device="cpu"):
@@ -123,3 +125,111 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="steps"):
         races.race(make_model, {"SGD": lambda m: optim.SGD(m.parameters(), lr=0.1)},
                    lambda t: data(), 0, F.cross_entropy)  # fmt: skip
+
+
+# -- schedules, the sweep, the race of 2026 ------------------------------------------------
+
+
+def test_loss_at_seconds_reads_the_last_evaluation_within_the_budget():
+    run = races.Run("r", 10, losses=[3.0, math.nan, 1.0, 0.5], seconds=[1.0, 2.0, 3.0, 4.0])
+    assert run.loss_at_seconds(2.5) == 3.0  # step 2 was not evaluated
+    assert run.loss_at_seconds(3.0) == 1.0 and run.loss_at_seconds(100.0) == 0.5
+    assert math.isnan(run.loss_at_seconds(0.5))
+    blown = races.Run("b", 10, losses=[3.0, 2.0], seconds=[1.0, 2.0], diverged=True)
+    assert blown.loss_at_seconds(1.5) == 3.0 and blown.loss_at_seconds(2.0) == math.inf
+    with pytest.raises(ValueError, match="budget"):
+        run.loss_at_seconds(-1.0)
+
+
+def test_warmup_cosine():
+    f = races.warmup_cosine(10, 2)
+    assert [f(t) for t in (0, 1, 2)] == [0.5, 1.0, 1.0]  # linear_warmup: (t + 1) / warmup
+    assert f(6) == pytest.approx(0.5) and f(10) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="warmup"):
+        races.warmup_cosine(10, 10)
+
+
+def test_a_schedule_scales_every_step():
+    # a schedule of zero: the weights never move, every evaluation is the start's
+    model, batches = make_model(), data()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    run = races.train_run("SGD", model, opt, lambda t: batches, 4, F.cross_entropy, full_loss,
+                          progress=False, schedule=lambda t: 0.0)  # fmt: skip
+    assert run.losses == [full_loss(make_model())] * 4
+    with pytest.raises(TypeError, match="schedule"):
+        races.train_run("SGD", model, opt, lambda t: batches, 4, F.cross_entropy,
+                        schedule=0.5)  # fmt: skip
+
+
+def test_schedule_free_is_evaluated_at_its_average(device):
+    model, batches = make_model(device), data(device)
+    opt = optim.ScheduleFreeAdamW(model.parameters(), lr=0.05)
+    modes = []
+
+    def evaluate(m):
+        modes.append(opt.param_groups[0]["train_mode"])
+        return full_loss(m)
+
+    run = races.train_run("SF", model, opt, lambda t: batches, 4, F.cross_entropy, evaluate,
+                          progress=False)  # fmt: skip
+    assert modes == [False] * 4  # eval(): the parameters hold the average x
+    assert opt.param_groups[0]["train_mode"]  # and back at y to train
+    assert run.state_bytes == 8 * run.num_parameters  # z and v; y is not kept after eval
+
+
+def test_sweep_picks_the_lowest_final_loss():
+    def make_sgd(model, lr):
+        return optim.SGD(model.parameters(), lr=lr)
+
+    batches = data()
+    best, runs = races.sweep(make_model, make_sgd, [1e-4, 0.5, 1e4], lambda t: batches, 8,
+                             F.cross_entropy, full_loss)  # fmt: skip
+    assert list(runs) == [1e-4, 0.5, 1e4] and best == 0.5
+    assert runs[0.5].final_loss() < runs[1e-4].final_loss() < runs[1e4].final_loss()
+    with pytest.raises(ValueError, match="lrs"):
+        races.sweep(make_model, make_sgd, [], lambda t: batches, 8, F.cross_entropy)
+    with pytest.raises(ValueError, match="schedules"):
+        races.race(make_model, {"a": lambda m: make_sgd(m, 0.1)}, lambda t: batches, 2,
+                   F.cross_entropy, schedules={"b": lambda t: 1.0})  # fmt: skip
+
+
+def test_the_race_of_2026_on_a_small_gpt():
+    vocab, block = 11, 8
+    tokens = torch.randint(vocab, (4, block + 1), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def new_gpt():
+        torch.manual_seed(0)
+        return GPT(vocab, block, 1, 2, 16)
+
+    def lm_loss(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def evaluate(model):
+        return lm_loss(model(x), y).item()
+
+    result = races.modern_race(new_gpt, lambda t: (x, y), 6, lm_loss, evaluate, 3, lrs=(1e-3, 3e-2))
+    runs = result.runs
+    assert list(runs) == ["AdamW", "Muon", "SOAP", "Shampoo", races.SCHEDULE_FREE]
+    for name in races.SWEPT:  # the sweep's best run is the race's, renamed
+        assert set(result.sweeps[name]) == {1e-3, 3e-2}
+        assert result.lr[name] == min(
+            result.sweeps[name], key=lambda lr: result.sweeps[name][lr].final_loss()
+        )
+        assert runs[name] is result.sweeps[name][result.lr[name]] and runs[name].name == name
+    start = evaluate(new_gpt())
+    for name, run in runs.items():
+        assert run.steps == 6 and math.isnan(run.losses[0]) and run.final_loss() < start, name
+    # the state, exactly: Muon one buffer for its hidden matrices, AdamW's two for the rest
+    model = new_gpt()
+    N = model.num_parameters()
+    hidden = sum(p.numel() for g in optim.muon_param_groups(model) if g["use_muon"]
+                 for _, p in g["params"])  # fmt: skip
+    soap_extra = sum(2 * n * n for p in model.parameters() if p.dim() >= 2 for n in p.shape)
+    assert 0 < hidden < N
+    assert runs["AdamW"].state_bytes == runs[races.SCHEDULE_FREE].state_bytes == 8 * N
+    assert runs["Muon"].state_bytes == 4 * hidden + 8 * (N - hidden)
+    assert runs["SOAP"].state_bytes == 8 * N + 4 * soap_extra
+    assert runs["Shampoo"].state_bytes > 8 * N
+    with pytest.raises(ValueError, match="adamw_lr"):
+        races.modern_optimizers(0.0, 1e-3, 2)

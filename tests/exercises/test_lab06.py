@@ -1,5 +1,6 @@
 """The checkers of Lab 6 accept the reference solutions and reject the usual mistakes,
-naming them; the references are what the library's optimizers compute."""
+naming them; the references are what the library's optimizers compute (Newton–Schulz:
+Muon's iteration, and in float64 the quintic applied to each singular value)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from lsdl_lab import check, curvature
 from lsdl_lab.exercises import lab06
 from lsdl_lab.optim.kfac import kfac_precondition
+from lsdl_lab.optim.muon import newton_schulz
 
 f64 = torch.float64
 
@@ -19,7 +21,7 @@ def spd(n, seed):
     return M @ M.T + n * torch.eye(n, dtype=f64)
 
 
-@pytest.mark.parametrize("name", ["cg_step", "kron_solve", "inverse_root"])
+@pytest.mark.parametrize("name", ["cg_step", "kron_solve", "inverse_root", "newton_schulz"])
 def test_reference_passes(name, capsys):
     check.checker(f"lab06.{name}")(getattr(lab06, name))
     assert "✔" in capsys.readouterr().out
@@ -180,3 +182,87 @@ def test_largest_tensor_counts_what_operations_return():
 def test_mistakes_are_named(name, wrong, message):
     with pytest.raises(check.CheckFailed, match=message):
         check.checker(f"lab06.{name}")(wrong)
+
+
+# -- Newton–Schulz (Muon) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(4, 7), (9, 5), (6, 6)])
+def test_newton_schulz_is_muons_iteration(shape):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(lab06.newton_schulz(G), newton_schulz(G, dtype=torch.float32))
+    # in float64, each singular value goes through the quintic five times
+    G = G.double()
+    U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    s = S / G.norm()
+    for _ in range(5):
+        s = 3.4445 * s - 4.7750 * s**3 + 2.0315 * s**5
+    torch.testing.assert_close(lab06.newton_schulz(G), U @ torch.diag(s) @ Vh)
+
+
+def unnormalized(G, steps=5):
+    X = G.T if G.shape[0] > G.shape[1] else G
+    for _ in range(steps):
+        A = X @ X.T
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+    return X.T if G.shape[0] > G.shape[1] else X
+
+
+def normalized_by_the_largest_entry(G, steps=5):
+    # a norm, but not one that bounds the singular values by 1
+    X = G.T if G.shape[0] > G.shape[1] else G
+    X = X / X.abs().max()
+    for _ in range(steps):
+        A = X @ X.T
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+    return X.T if G.shape[0] > G.shape[1] else X
+
+
+def tall_left_transposed(G, steps=5):
+    X = G.T if G.shape[0] > G.shape[1] else G
+    X = X / X.norm()
+    for _ in range(steps):
+        A = X @ X.T
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+    return X  # forgot: back to G's shape
+
+
+def the_larger_gram_matrix(G, steps=5):
+    # right values (the polynomial acts on the singular values either way), at the cost
+    # of the larger Gram matrix for a tall G
+    X = G / G.norm()
+    for _ in range(steps):
+        A = X @ X.T
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+    return X
+
+
+def cubic(G, steps=5):
+    X = G / G.norm()
+    for _ in range(steps):
+        X = 1.5 * X - 0.5 * X @ X.T @ X
+    return X
+
+
+def test_the_larger_gram_matrix_has_the_right_values():
+    G = torch.randn(9, 5, generator=torch.Generator().manual_seed(1), dtype=f64)
+    torch.testing.assert_close(the_larger_gram_matrix(G), lab06.newton_schulz(G))
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (unnormalized, "Frobenius norm first"),
+        (tall_left_transposed, "transpose the result back"),
+        (cubic, "cubic iteration"),
+        (the_larger_gram_matrix, r"made a tensor of 4,096 numbers \(by matmul\)"),
+    ],
+)
+def test_newton_schulz_mistakes_are_named(wrong, message):
+    with pytest.raises(check.CheckFailed, match=message):
+        check.checker("lab06.newton_schulz")(wrong)
+
+
+def test_newton_schulz_other_norms_fail():
+    with pytest.raises(check.CheckFailed, match="does not match"):
+        check.checker("lab06.newton_schulz")(normalized_by_the_largest_entry)
