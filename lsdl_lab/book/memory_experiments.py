@@ -13,6 +13,13 @@ experiment, so the chapter, the lab and the tests measure the same way.
   checkpoint spacing (Chen et al. 2016).
 * :func:`measure_gpt` -- bytes of the model states and activations of one training step
   of a GPT, for the calculator (:func:`~lsdl_lab.memory.gpt_memory`) to be held against.
+* :func:`moment_block_errors` -- what block-wise 8-bit quantization (Dettmers et al. 2022)
+  does to Adam's two moments, block by block, against the bound of half the map's largest
+  gap times the block's maximum.
+* :func:`fp8_operands`, :func:`fp8_cast_errors` and :func:`fp8_curves` -- the three
+  operands of a GPT's linear layers (activations, weights, output gradients) cast to FP8
+  in each format and scaling (Micikevicius et al. 2022; the OCP MX specification), and
+  training with the linears in emulated FP8 against float32 and bfloat16.
 
 The worker of :func:`zero_per_rank` is a top-level function of this module, so that
 :func:`lsdl_lab.distributed.spawn` can start it in fresh processes.
@@ -31,8 +38,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._util import check_choice, check_int, check_positive
+from ..memory.fp8 import FORMATS, convert_to_fp8, fp8_counts, quantize_fp8
 from ..memory.measure import SavedTensorBytes, measure
 from ..memory.precision import LossScaler, amp_step
+from ..memory.quantize import BLOCK_SIZE, dequantize_blockwise, dynamic_map, quantize_blockwise
 from ..memory.recompute import sweep
 from ..memory.sharded import ZeroOptimizer
 from ..models import GPT
@@ -40,6 +49,10 @@ from ..profiles import capped_steps
 
 __all__ = [
     "PRECISION_MODES",
+    "fp8_cast_errors",
+    "fp8_curves",
+    "fp8_operands",
+    "moment_block_errors",
     "gpt_checkpoint_sweep",
     "gradient_underflow",
     "segment_peak",
@@ -334,4 +347,179 @@ def measure_gpt(
     out = measure(gpt, opt)
     out["activations"] = saved.peak
     out["total"] += saved.peak
+    return out
+
+
+def moment_block_errors(
+    new_model: Callable[[], nn.Module],
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    block_size: int = BLOCK_SIZE,
+    lr: float = 3e-3,
+    min_size: int = 1,
+    loss_fn: Callable = lm_loss,
+) -> dict[str, dict[str, torch.Tensor | float]]:
+    r"""Train a fresh model ``steps`` steps with float32 AdamW (``torch.optim``), then
+    quantize its two moments block-wise, as :class:`~lsdl_lab.optim.AdamW8bit` keeps them:
+    the first with the signed dynamic map, the second with the unsigned one, every tensor of
+    at least ``min_size`` values in blocks of ``block_size``. Per moment (``"exp_avg"``,
+    ``"exp_avg_sq"``): each block's maximum :math:`N_b` (``absmax``), its largest rounding
+    error :math:`\max_{i\in b}|x_i - \hat x_i|` (``error``), the map's largest gap
+    :math:`\Delta` (``gap``; the bound is :math:`\tfrac{\Delta}{2} N_b`), the relative
+    error of the whole moment :math:`\|\hat x - x\| / \|x\|` (``relative``),
+    ``negative``, how many decoded values of the moment are below zero, and ``zeroed`` and
+    ``zeroed_linear``, the fractions of its nonzero values decoded to zero by the dynamic
+    map and by a linear map of 256 values on the same range (the uniform 8-bit quantization
+    it replaces). ``absmax`` and ``error`` come back on the CPU, for plotting."""
+    steps = check_int("steps", steps, 1)
+    model = new_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for t in range(capped_steps(steps)):
+        x, y = batches(t)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+    out = {}
+    for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        code = dynamic_map(signed)
+        linear = torch.linspace(-1.0 if signed else 0.0, 1.0, 256)
+        absmax, error, negative, num, den = [], [], 0, 0.0, 0.0
+        zeroed = zeroed_linear = nonzero = 0
+        for p in model.parameters():
+            if p.numel() < min_size:
+                continue
+            x = opt.state[p][name].reshape(-1)
+            code, linear = code.to(x.device), linear.to(x.device)
+            codes, scales = quantize_blockwise(x, code, block_size)
+            x_hat = dequantize_blockwise(codes, scales, code, x.shape, block_size)
+            diff = F.pad((x_hat - x).abs(), (0, -x.numel() % block_size))
+            absmax.append(scales.cpu())
+            error.append(diff.view(-1, block_size).amax(dim=1).cpu())
+            negative += int((x_hat < 0).sum())
+            nonzero += int((x != 0).sum())
+            zeroed += int(((x_hat == 0) & (x != 0)).sum())
+            codes, scales = quantize_blockwise(x, linear, block_size)
+            x_lin = dequantize_blockwise(codes, scales, linear, x.shape, block_size)
+            zeroed_linear += int(((x_lin == 0) & (x != 0)).sum())
+            num, den = num + float((x_hat - x).square().sum()), den + float(x.square().sum())
+        out[name] = {
+            "absmax": torch.cat(absmax),
+            "error": torch.cat(error),
+            "gap": float(code.diff().max()),
+            "relative": math.sqrt(num / den),
+            "negative": negative,
+            "zeroed": zeroed / nonzero,
+            "zeroed_linear": zeroed_linear / nonzero,
+        }
+    return out
+
+
+def fp8_operands(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: Callable = lm_loss,
+    skip: Sequence[str] = (),
+) -> dict[str, list[torch.Tensor]]:
+    """The three operands of every ``nn.Linear`` of ``model`` (but those named in ``skip``)
+    in one forward and backward pass on ``batch``, in float32: ``"input"`` (the activations
+    entering it), ``"weight"`` and ``"grad_output"`` (the gradient of the loss with respect
+    to its output), the operands an FP8 layer casts (:class:`~lsdl_lab.memory.FP8Linear`)."""
+    out: dict[str, list[torch.Tensor]] = {"input": [], "weight": [], "grad_output": []}
+    handles = []
+
+    def forward_hook(module, inputs, output):
+        out["input"].append(inputs[0].detach().float().clone())
+        out["weight"].append(module.weight.detach().float().clone())
+
+    def backward_hook(module, grad_input, grad_output):
+        out["grad_output"].append(grad_output[0].detach().float().clone())
+
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name not in skip:
+            handles.append(m.register_forward_hook(forward_hook))
+            handles.append(m.register_full_backward_hook(backward_hook))
+    try:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(batch[0]), batch[1]).backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def fp8_cast_errors(
+    operands: Mapping[str, Sequence[torch.Tensor]],
+    formats: Sequence[str] = tuple(FORMATS),
+    scalings: Sequence[str] = ("none", "tensor", "mx"),
+) -> dict[tuple[str, str, str], dict[str, float]]:
+    r"""Each operand's tensors (as :func:`fp8_operands` returns them) cast to each FP8
+    format with each scaling (:func:`~lsdl_lab.memory.quantize_fp8`, one scale per tensor or
+    per block of 32) and back. Per ``(operand, format, scaling)``: ``values``, the fractions
+    ``overflow`` (:math:`|x_i s| > v_{\max}`, saturated) and ``underflow`` (nonzero values
+    that became zero), and ``error``, the relative error :math:`\|\hat x - x\| / \|x\|` over
+    all of the operand's tensors together."""
+    out = {}
+    for operand, tensors in operands.items():
+        for fmt in formats:
+            for scaling in scalings:
+                values = over = under = 0
+                num = den = 0.0
+                for x in tensors:
+                    q = quantize_fp8(x, fmt, scaling)
+                    x_hat = q.dequantize()
+                    values += x.numel()
+                    over += int(q.overflows)
+                    under += int(q.underflows)
+                    num += float((x_hat - x).square().sum())
+                    den += float(x.square().sum())
+                out[operand, fmt, scaling] = {
+                    "values": values,
+                    "overflow": over / values,
+                    "underflow": under / values,
+                    "error": math.sqrt(num / den),
+                }
+    return out
+
+
+def fp8_curves(
+    new_model: Callable[[], nn.Module],
+    make_optimizer: Callable,
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    recipes: Mapping[str, Mapping | str],
+    keep: Sequence[str] = ("head",),
+    loss_fn: Callable = lm_loss,
+) -> dict[str, dict]:
+    """Train a fresh model ``steps`` steps under each recipe, on the same batches: a recipe
+    is ``"fp32"``, ``"bf16"`` (autocast, float32 master weights: :func:`amp_step`) or the
+    options of :func:`~lsdl_lab.memory.convert_to_fp8` (``scaling``, formats...), whose
+    linears but ``keep`` (the output layer, kept in float32 as FP8 recipes do) then compute
+    in emulated FP8. Per recipe: ``losses``, ``seconds`` and, for FP8, ``counts``
+    (:func:`~lsdl_lab.memory.fp8_counts` summed over the run)."""
+    steps = check_int("steps", steps, 1)
+    out = {}
+    for name, recipe in recipes.items():
+        model = new_model()
+        if isinstance(recipe, str):
+            check_choice("recipe", recipe, ("fp32", "bf16"))
+        else:
+            convert_to_fp8(model, keep=keep, **recipe)
+        opt = make_optimizer(model.parameters())
+        losses = []
+        start = time.perf_counter()
+        for t in tqdm(range(capped_steps(steps)), desc=name, leave=False):
+            batch = batches(t)
+            if recipe == "bf16":
+                losses.append(amp_step(model, opt, loss_fn, batch, torch.bfloat16))
+                continue
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(batch[0]), batch[1])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        run = {"losses": losses, "seconds": time.perf_counter() - start}
+        if not isinstance(recipe, str):
+            run["counts"] = fp8_counts(model)
+        out[name] = run
     return out

@@ -1,10 +1,12 @@
 """Checkers of Lab 8, memory: a dynamic loss scaler's update, Adafactor's factored second
-moment and how far it is from Adam's, and the slice of each parameter that a rank owns
-under ZeRO stage 1.
+moment and how far it is from Adam's, the slice of each parameter that a rank owns under
+ZeRO stage 1, a block quantized to 8 bits with a map, and an FP8 cast with its scale.
 
 The references drive the library: :class:`lsdl_lab.memory.LossScaler` through its public
-methods, :meth:`lsdl_lab.optim.Adafactor.factored_second_moment`, and the flat, padded
-partition of :class:`lsdl_lab.memory.ZeroOptimizer` (its docstring). A student whose
+methods, :meth:`lsdl_lab.optim.Adafactor.factored_second_moment`, the flat, padded
+partition of :class:`lsdl_lab.memory.ZeroOptimizer` (its docstring),
+:func:`lsdl_lab.memory.quantize.quantize_blockwise` and
+:func:`lsdl_lab.memory.fp8.quantize_fp8`. A student whose
 function passes has reproduced what the lab's runs did. When a function fails, the
 checker looks for the usual slips and names the one it finds.
 """
@@ -16,6 +18,8 @@ import torch
 from .. import optim
 from ..check import CheckFailed, answer_or_none, check_function, exercise, with_hints
 from ..memory import LossScaler
+from ..memory.fp8 import FORMATS, quantize_fp8
+from ..memory.quantize import dequantize_blockwise, dynamic_map, quantize_blockwise
 
 
 def scaler_update(
@@ -229,3 +233,138 @@ def check_zero1_partition(student_fn) -> None:
             hints.append("a parameter the rank owns nothing of is (0, 0)")
         raise with_hints(failure, hints) from None
     print("✔ zero1_partition: every case equals lsdl_lab.memory.ZeroOptimizer's partition")
+
+
+def quantize_block(
+    block: torch.Tensor, code: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""One block of values in 8 bits and back (Dettmers et al. 2022): its scale
+    :math:`N = \max_i |x_i|` (a 0-d float32 tensor), the index :math:`q_i` of the value of
+    the map ``code`` (sorted ascending, at most 256 values) nearest to :math:`x_i / N`
+    (``uint8``, one per value of the 1-D ``block``; a tie goes to the lower value), and the
+    decoded block :math:`\hat x_i = Q_{q_i} N` (float32). A block of zeros has :math:`N = 0`
+    and decodes to zeros. Returns ``(codes, absmax, decoded)``."""
+    n = block.numel()
+    codes, absmax = quantize_blockwise(block, code, n)
+    return codes, absmax[0], dequantize_blockwise(codes, absmax, code, block.shape, n)
+
+
+def fp8_cast(
+    x: torch.Tensor, format: str = "e4m3", scaling: str = "tensor"
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    r"""``x`` cast to the FP8 ``format`` (``"e4m3"`` or ``"e5m2"``) and back:
+    :math:`q = \operatorname{sat}(\operatorname{RN}(x s))`, :math:`\hat x = q / s`, with
+    :math:`s` by ``scaling``: ``"none"`` (1), ``"tensor"`` (:math:`v_{\max} / \max_i |x_i|`,
+    1 for a tensor of zeros) or ``"mx"`` (per block of 32 values along the last dimension,
+    :math:`2^{e_{\max} - \lfloor \log_2 \max_b |x_i| \rfloor}`). Returns ``(x_hat, scale,
+    overflows, underflows)``: the float32 :math:`\hat x`, the scale (0-d, or one per block),
+    the number of values with :math:`|x_i s| > v_{\max}` and of nonzero values cast to 0."""
+    if scaling not in ("none", "tensor", "mx"):
+        raise ValueError(f"Invalid scaling: {scaling!r} (expected 'none', 'tensor' or 'mx')")
+    q = quantize_fp8(x, format, scaling)
+    return q.dequantize(), q.scale, int(q.overflows), int(q.underflows)
+
+
+def _small_map() -> torch.Tensor:
+    """The 7-value map of Chapter 8's exercise."""
+    return torch.tensor([-1.0, -0.5, -0.1, 0.0, 0.1, 0.5, 1.0])
+
+
+@exercise("lab08.quantize_block")
+def check_quantize_block(student_fn) -> None:
+    g = torch.Generator().manual_seed(8)
+    signed, unsigned = dynamic_map(True), dynamic_map(False)
+    negative_max = torch.tensor([0.3, -2.0, 0.03, 1.1])  # the largest |x| is negative
+    cases = [
+        (torch.tensor([0.7, -2.0, 0.03, 1.1]), _small_map()),  # Chapter 8's, by hand
+        (torch.tensor([0.7, -20.0, 0.03, 1.1]), _small_map()),  # an outlier
+        (negative_max, signed),
+        (torch.randn(256, generator=g), signed),
+        (torch.randn(64, generator=g) ** 2 * 1e-6, unsigned),  # a second moment's block
+        (torch.randn(100, generator=g) * 10.0 ** torch.randint(-6, 1, (100,), generator=g),
+         signed),  # values over six decades
+        (torch.zeros(8), signed),  # a block of zeros
+        (torch.tensor([3.0]), unsigned),
+        (torch.linspace(-1, 1, 17), torch.linspace(-1, 1, 5)),  # ties between map values
+    ]  # fmt: skip
+    try:
+        check_function(student_fn, quantize_block, cases, name="quantize_block")
+    except CheckFailed as failure:
+        hints = []
+        got = answer_or_none(student_fn, negative_max.clone(), signed)
+        if _is_answer(got, 3) and got[1].numel() == 1 and abs(float(got[1]) - 1.1) < 1e-6:
+            hints.append("N is the largest |x_i|, not the largest x_i (here -2.0 sets it)")
+        x = torch.tensor([0.7, -2.0, 0.03, 1.1])
+        got = answer_or_none(student_fn, x.clone(), _small_map())
+        if _is_answer(got, 3) and got[0].tolist() == [4, 0, 3, 5]:
+            hints.append("round to the nearest value of the map, not the one below (0.35 -> 0.5)")
+        if _is_answer(got, 3) and torch.allclose(got[2].float(), torch.tensor([0.5, -1, 0, 0.5])):
+            hints.append("multiply the map's values back by N to decode")
+        got = answer_or_none(student_fn, torch.zeros(4), signed)
+        if _is_answer(got, 3) and got[2].isnan().any():
+            hints.append("a block of zeros has N = 0: divide by 1 instead, it decodes to zeros")
+        raise with_hints(failure, hints) from None
+    print("✔ quantize_block: codes, scale and decoded block equal lsdl_lab.memory.quantize's")
+
+
+def _is_answer(got, n: int) -> bool:
+    """Whether ``got`` is a tuple of ``n`` tensors (the shape of an answer to check)."""
+    return (
+        isinstance(got, tuple)
+        and len(got) == n
+        and all(isinstance(t, torch.Tensor) for t in got[:2])
+    )
+
+
+def _with_max(x: torch.Tensor, amax: float) -> torch.Tensor:
+    r"""``x`` rescaled so that its largest magnitude is exactly ``amax`` (a power of two
+    here: then :math:`v_{\max} / a` times :math:`a` is :math:`v_{\max}` exactly, and no
+    rounding of the scale decides an overflow)."""
+    return (x / x.abs().max() * amax).float()
+
+
+@exercise("lab08.fp8_cast")
+def check_fp8_cast(student_fn) -> None:
+    g = torch.Generator().manual_seed(8)
+    wide = torch.randn(4, 64, generator=g) * 10.0 ** torch.randint(-8, 3, (4, 64), generator=g)
+    cases = [
+        (torch.tensor([1000.0, 3.0, 0.01, 1e-4]), "e4m3", "none"),  # Chapter 8's, by hand
+        (torch.tensor([1000.0, 3.0, 0.01, 1e-4]), "e5m2", "none"),
+        (torch.tensor([1e6, -7e4, 6e4, 1.0]), "e5m2", "none"),  # beyond e5m2's 57344
+        (_with_max(wide, 2.0**-6), "e4m3", "tensor"),
+        (_with_max(wide, 4.0), "e5m2", "tensor"),
+        (_with_max(torch.randn(3, 40, generator=g), 2.0**-20), "e5m2", "tensor"),
+        (torch.zeros(5), "e4m3", "tensor"),  # the scale of zeros is 1
+        (wide, "e4m3", "mx"),
+        (wide * 1e3, "e5m2", "mx"),
+        (torch.randn(2, 70, generator=g), "e4m3", "mx"),  # a partial last block
+        (torch.tensor([[1000.0, 3.0, 0.01, 1e-4]]), "e4m3", "mx"),
+    ]
+    try:
+        check_function(student_fn, fp8_cast, cases, name="fp8_cast", equal_nan=True)
+    except CheckFailed as failure:
+        hints = []
+        # torch's cast to e4m3fn saturates by itself on the CPU; to e5m2 it overflows to inf
+        got = answer_or_none(student_fn, torch.tensor([1e6, 3.0]), "e5m2", "none")
+        if _is_answer(got, 4) and not got[0].isfinite().all():
+            hints.append("saturate: clamp x s to [-v_max, v_max] before the cast (1e6 -> 57344)")
+        y = torch.tensor([0.0, 0.5, -2.0, 0.25])
+        got = answer_or_none(student_fn, y.clone(), "e4m3", "none")
+        if _is_answer(got, 4) and got[3] == 1:
+            hints.append("count as underflows only the nonzero values that became zero")
+        got = answer_or_none(student_fn, y.clone(), "e4m3", "tensor")
+        if _is_answer(got, 4) and torch.allclose(got[1].float(), torch.tensor(2.0 / 448)):
+            hints.append("the scale multiplies x: s = v_max / max|x| puts the maximum on v_max")
+        got = answer_or_none(student_fn, torch.zeros(3), "e4m3", "tensor")
+        if _is_answer(got, 4) and not got[1].isfinite().all():
+            hints.append("a tensor of zeros gets the scale 1")
+        z = torch.tensor([[3.0, 0.1, -0.2, 1.5]])
+        got = answer_or_none(student_fn, z.clone(), "e4m3", "mx")
+        if _is_answer(got, 4) and got[1].numel() == 1:
+            scale = float(got[1])
+            if abs(scale - FORMATS["e4m3"].max / 3.0) < 1e-3:
+                hints.append(
+                    "MX scales are powers of two: 2^(e_max - floor(log2 max|x|)), 2^7 here"
+                )
+        raise with_hints(failure, hints) from None
+    print("✔ fp8_cast: values, scales and counts equal lsdl_lab.memory.fp8.quantize_fp8's")

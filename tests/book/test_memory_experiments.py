@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from lsdl_lab import optim
 from lsdl_lab.book import memory_experiments as experiments
@@ -113,3 +114,74 @@ def test_measure_gpt_against_the_calculator():
     assert m["params"] == calc["params"] and m["grads"] == calc["grads"]
     assert abs(m["activations"] / calc["activations"] - 1) < 0.25
     assert m["total"] == sum(m[k] for k in ("params", "grads", "optimizer_state", "activations"))
+
+
+# -- 8-bit states and FP8 --------------------------------------------------------------------
+
+
+def test_moment_block_errors_are_within_the_bound_and_v_stays_non_negative():
+    blocks = experiments.moment_block_errors(gpt, batches, 5, block_size=64, min_size=64)
+    psi = sum(p.numel() for p in gpt().parameters() if p.numel() >= 64)
+    for name, b in blocks.items():
+        assert len(b["absmax"]) == len(b["error"]) >= psi / 64
+        assert b["gap"] == pytest.approx(0.9 / (64 if name == "exp_avg" else 128), rel=1e-4)
+        assert torch.all(b["error"] <= b["gap"] / 2 * b["absmax"] * (1 + 1e-4))
+        assert torch.any(b["error"] > 0) and 0 < b["relative"] < 0.02
+    assert blocks["exp_avg"]["negative"] > 0  # m has both signs
+    assert blocks["exp_avg_sq"]["negative"] == 0
+    v = blocks["exp_avg_sq"]
+    assert v["zeroed_linear"] > v["zeroed"]
+    with pytest.raises(ValueError, match="Invalid steps"):
+        experiments.moment_block_errors(gpt, batches, 0)
+
+
+def test_fp8_operands_are_each_linears_three_operands():
+    model = gpt()
+    ops = experiments.fp8_operands(model, batches(0), skip=("head",))
+    linears = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "head"]
+    assert {k: len(v) for k, v in ops.items()} == {k: len(linears) for k in ops}
+    assert [w.shape for w in ops["weight"]] == [m.weight.shape for m in linears]
+    for x, m in zip(ops["input"], linears):
+        assert x.shape == (4, BLOCK, m.in_features)
+    # the backward hooks fire in reverse order
+    widths = sorted(m.out_features for m in linears)
+    assert sorted(g.shape[-1] for g in ops["grad_output"]) == widths
+    assert all(p.grad is None for p in model.parameters())
+    assert len(experiments.fp8_operands(model, batches(0))["weight"]) == len(linears) + 1
+
+
+def test_fp8_cast_errors_count_what_each_cast_loses():
+    big = torch.tensor([1000.0, 3.0, 0.01, 1e-4])  # Chapter 8's exercise
+    casts = experiments.fp8_cast_errors({"x": [big, big]}, ("e4m3", "e5m2"), ("none", "tensor"))
+    assert casts["x", "e4m3", "none"] == pytest.approx(
+        {"values": 8, "overflow": 2 / 8, "underflow": 2 / 8, "error": 552 / 1000}, rel=1e-4
+    )
+    assert casts["x", "e4m3", "tensor"]["overflow"] == 0.0
+    assert casts["x", "e4m3", "tensor"]["underflow"] == 2 / 8
+    assert casts["x", "e5m2", "tensor"]["underflow"] == 0.0
+    ops = experiments.fp8_operands(gpt(), batches(0))
+    casts = experiments.fp8_cast_errors(ops)
+    assert len(casts) == 3 * 2 * 3
+    for op in ops:
+        e4, e5 = casts[op, "e4m3", "tensor"]["error"], casts[op, "e5m2", "tensor"]["error"]
+        assert 1.5 < e5 / e4 < 2.5 and e4 < 2.0**-4
+
+
+def test_fp8_curves_train_each_recipe_on_the_same_batches():
+    recipes = {"fp32": "fp32", "bf16": "bf16", "tensor": {"scaling": "tensor"},
+               "broken": {"scaling": "none", "backward_format": "e4m3"}}  # fmt: skip
+    runs = experiments.fp8_curves(gpt, lambda p: torch.optim.AdamW(p, lr=1e-2), batches, 6, recipes)
+    assert [len(r["losses"]) for r in runs.values()] == [6] * 4
+    assert "counts" not in runs["fp32"] and "counts" not in runs["bf16"]
+    fp32, tensor = runs["fp32"]["losses"], runs["tensor"]["losses"]
+    assert abs(tensor[0] - fp32[0]) < 0.02 and tensor != fp32
+    assert runs["tensor"]["counts"]["grad_output"]["overflows"] == 0
+    broken = runs["broken"]["counts"]["grad_output"]
+    assert broken["underflows"] > 10 * runs["tensor"]["counts"]["grad_output"]["underflows"]
+    linears = [m for n, m in gpt().named_modules() if isinstance(m, nn.Linear) and n != "head"]
+    tokens = 6 * 4 * BLOCK  # six steps of four sequences
+    assert runs["tensor"]["counts"]["input"]["values"] == tokens * sum(
+        m.in_features for m in linears
+    )
+    with pytest.raises(ValueError, match="Invalid recipe"):
+        experiments.fp8_curves(gpt, torch.optim.AdamW, batches, 1, {"x": "fp16"})

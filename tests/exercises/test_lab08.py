@@ -260,3 +260,167 @@ def test_the_stub_asks_for_a_solution(name):
 
     with pytest.raises(NotImplementedError, match="not implemented yet"):
         check.checker(name)(stub)
+
+
+# -- 8-bit blocks and FP8 casts ------------------------------------------------------------
+
+
+def test_quantize_block_reference_is_chapter_8s_exercise_by_hand():
+    small = torch.tensor([-1.0, -0.5, -0.1, 0.0, 0.1, 0.5, 1.0])
+    codes, absmax, decoded = lab08.quantize_block(torch.tensor([0.7, -2.0, 0.03, 1.1]), small)
+    assert codes.dtype == torch.uint8 and codes.tolist() == [5, 0, 3, 5]
+    assert absmax.ndim == 0 and absmax.item() == 2.0
+    assert decoded.tolist() == [1.0, -2.0, 0.0, 1.0]
+    codes, absmax, decoded = lab08.quantize_block(torch.tensor([0.7, -20.0, 0.03, 1.1]), small)
+    assert codes.tolist() == [3, 0, 3, 4] and decoded.tolist() == [0.0, -20.0, 0.0, 2.0]
+    codes, absmax, decoded = lab08.quantize_block(torch.zeros(3), small)
+    assert absmax.item() == 0.0 and decoded.tolist() == [0.0] * 3
+
+
+def test_fp8_cast_reference_is_chapter_8s_exercise_by_hand():
+    x = torch.tensor([1000.0, 3.0, 0.01, 1e-4])
+    x_hat, scale, over, under = lab08.fp8_cast(x, "e4m3", "none")
+    assert x_hat.tolist() == [448.0, 3.0, 5 * 2.0**-9, 0.0] and (over, under) == (1, 1)
+    x_hat, scale, over, under = lab08.fp8_cast(x, "e4m3", "tensor")
+    assert scale.item() == pytest.approx(0.448) and (over, under) == (0, 1)
+    assert lab08.fp8_cast(x, "e5m2", "tensor")[2:] == (0, 0)
+    x_hat, scale, over, under = lab08.fp8_cast(x[None], "e4m3", "mx")
+    assert scale.tolist() == [[0.5]] and x_hat[0, 0].item() == 896.0 and (over, under) == (1, 1)
+    assert lab08.fp8_cast(torch.zeros(3))[1].item() == 1.0
+    with pytest.raises(ValueError, match="Invalid scaling"):
+        lab08.fp8_cast(x, "e4m3", "delayed")
+
+
+def right_quantize_block(block, code):
+    absmax = block.abs().max()
+    scale = absmax if absmax > 0 else torch.ones(())
+    distance = (code[None, :] - (block / scale)[:, None]).abs()
+    codes = distance.argmin(dim=1).to(torch.uint8)  # the first minimum: the lower on a tie
+    return codes, absmax, code[codes.long()] * absmax
+
+
+FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0, 8), "e5m2": (torch.float8_e5m2, 57344.0, 15)}
+
+
+def right_fp8_cast(x, format="e4m3", scaling="tensor"):
+    dtype, vmax, emax = FP8[format]
+    if scaling == "none":
+        scale = torch.ones(())
+    elif scaling == "tensor":
+        amax = x.abs().max()
+        scale = vmax / amax if amax > 0 else torch.ones(())
+    else:
+        n = x.shape[-1]
+        blocks = torch.nn.functional.pad(x, (0, -n % 32)).unflatten(-1, (-1, 32))
+        exponent = torch.floor(torch.log2(blocks.abs().amax(-1)))
+        scale = 2.0 ** (emax - exponent)
+    per_value = scale if scaling != "mx" else scale.repeat_interleave(32, -1)[..., :n]
+    scaled = x * per_value
+    q = scaled.clamp(-vmax, vmax).to(dtype).float()
+    over = int((scaled.abs() > vmax).sum())
+    under = int(((q == 0) & (x != 0)).sum())
+    return q / per_value, scale, over, under
+
+
+def test_right_8bit_and_fp8_answers_pass(capsys):
+    check.checker("lab08.quantize_block")(right_quantize_block)
+    check.checker("lab08.fp8_cast")(right_fp8_cast)
+    check.checker("lab08.quantize_block")(lab08.quantize_block)
+    check.checker("lab08.fp8_cast")(lab08.fp8_cast)
+    out = capsys.readouterr().out
+    assert "✔ quantize_block" in out and "✔ fp8_cast" in out
+
+
+def max_not_absmax(block, code):
+    codes, _, _ = right_quantize_block(block / block.max() * block.abs().max(), code)
+    n = block.max()
+    return codes, n, code[codes.long()] * n
+
+
+def rounds_down(block, code):
+    absmax = block.abs().max()
+    scale = absmax if absmax > 0 else torch.ones(())
+    codes = (torch.searchsorted(code, block / scale, right=True) - 1).clamp(min=0)
+    return codes.to(torch.uint8), absmax, code[codes] * absmax
+
+
+def not_scaled_back(block, code):
+    codes, absmax, _ = right_quantize_block(block, code)
+    return codes, absmax, code[codes.long()]
+
+
+def divides_by_zero(block, code):
+    absmax = block.abs().max()
+    distance = (code[None, :] - (block / absmax)[:, None]).abs()
+    codes = distance.nan_to_num(0.0).argmin(dim=1).to(torch.uint8)
+    return codes, absmax, code[codes.long()] * absmax * (block / absmax)
+
+
+def no_saturation(x, format="e4m3", scaling="tensor"):
+    x_hat, scale, over, under = right_fp8_cast(x, format, scaling)
+    per_value = scale if scaling != "mx" else scale.repeat_interleave(32, -1)[..., : x.shape[-1]]
+    return (x * per_value).to(FP8[format][0]).float() / per_value, scale, over, under
+
+
+def counts_zeros(x, format="e4m3", scaling="tensor"):
+    x_hat, scale, over, under = right_fp8_cast(x, format, scaling)
+    return x_hat, scale, over, int((x_hat == 0).sum())
+
+
+def inverted_scale(x, format="e4m3", scaling="tensor"):
+    if scaling != "tensor":
+        return right_fp8_cast(x, format, scaling)
+    dtype, vmax, _ = FP8[format]
+    amax = x.abs().max()
+    scale = amax / vmax if amax > 0 else torch.ones(())
+    q = (x * scale).clamp(-vmax, vmax).to(dtype).float()
+    return q / scale, scale, 0, int(((q == 0) & (x != 0)).sum())
+
+
+def mx_not_a_power_of_two(x, format="e4m3", scaling="tensor"):
+    if scaling != "mx":
+        return right_fp8_cast(x, format, scaling)
+    dtype, vmax, _ = FP8[format]
+    n = x.shape[-1]
+    blocks = torch.nn.functional.pad(x, (0, -n % 32)).unflatten(-1, (-1, 32))
+    scale = vmax / blocks.abs().amax(-1)
+    per_value = scale.repeat_interleave(32, -1)[..., :n]
+    q = (x * per_value).clamp(-vmax, vmax).to(dtype).float()
+    return q / per_value, scale, 0, int(((q == 0) & (x != 0)).sum())
+
+
+def zeros_scale_inf(x, format="e4m3", scaling="tensor"):
+    if scaling != "tensor":
+        return right_fp8_cast(x, format, scaling)
+    dtype, vmax, _ = FP8[format]
+    scale = vmax / x.abs().max()
+    q = (x * scale).clamp(-vmax, vmax).to(dtype).float()
+    return q / scale, scale, 0, int(((q == 0) & (x != 0)).sum())
+
+
+@pytest.mark.parametrize(
+    "name, fn, hint",
+    [
+        ("lab08.quantize_block", max_not_absmax, "largest \\|x_i\\|"),
+        ("lab08.quantize_block", rounds_down, "nearest value of the map"),
+        ("lab08.quantize_block", not_scaled_back, "back by N"),
+        ("lab08.quantize_block", divides_by_zero, "block of zeros"),
+        ("lab08.fp8_cast", no_saturation, "saturate"),
+        ("lab08.fp8_cast", counts_zeros, "only the nonzero values"),
+        ("lab08.fp8_cast", inverted_scale, "the scale multiplies x"),
+        ("lab08.fp8_cast", mx_not_a_power_of_two, "powers of two"),
+        ("lab08.fp8_cast", zeros_scale_inf, "scale 1"),
+    ],
+)
+def test_wrong_8bit_and_fp8_answers_fail_with_the_hint(name, fn, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        check.checker(name)(fn)
+
+
+@pytest.mark.parametrize("name", ["lab08.quantize_block", "lab08.fp8_cast"])
+def test_the_8bit_and_fp8_stubs_ask_for_a_solution(name):
+    def stub(*args, **kwargs):
+        raise NotImplementedError(PLACEHOLDER_MESSAGE)
+
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        check.checker(name)(stub)
