@@ -65,8 +65,9 @@ def trade_offs(shape: GPTShape, dp: int, **options) -> dict[str, dict[str, float
 def calculator_form(shape: GPTShape | None = None, dp: int = 8):
     """A form for :func:`~lsdl_lab.memory.gpt_memory`: integer boxes for the GPT's shape
     (layers, hidden size, heads, sequence length, micro-batch, vocabulary) and the
-    data-parallel degree, dropdowns for the precision, the optimizer, the ZeRO stage and
-    the recomputation policy; below them the table of bytes per rank. Returns an
+    data-parallel degree, dropdowns for the precision, the optimizer (8-bit Adam among
+    them), the ZeRO stage and the recomputation policy, a box for FP8 linear layers; below
+    them the table of bytes per rank. Returns an
     ipywidgets ``VBox`` with ``box.controls`` (name to widget) and ``box.output`` (the
     ``Output`` holding the table). A bad combination (heads that do not divide the hidden
     size) shows its error in place of the table."""
@@ -97,6 +98,7 @@ def calculator_form(shape: GPTShape | None = None, dp: int = 8):
         "optimizer": choice("optimizer", OPTIMIZERS, "adam"),
         "zero_stage": choice("ZeRO stage", ZERO_STAGES, 0),
         "recompute": choice("recompute", RECOMPUTE, "none"),
+        "fp8": widgets.Checkbox(value=False, description="FP8 linears", style=style),
     }  # fmt: skip
     output = widgets.Output()
     form = widgets.VBox(
@@ -110,7 +112,8 @@ def calculator_form(shape: GPTShape | None = None, dp: int = 8):
         try:
             gpt = GPTShape(v["layers"], v["hidden"], v["heads"], v["seq_len"], v["micro_batch"],
                            v["vocab"])  # fmt: skip
-            options = {k: v[k] for k in ("precision", "optimizer", "zero_stage", "dp", "recompute")}
+            options = {k: v[k] for k in ("precision", "optimizer", "zero_stage", "dp", "recompute",
+                                         "fp8")}  # fmt: skip
             row = gpt_memory(gpt, **options)
             text = memory_table({"per rank": row})
         except (TypeError, ValueError) as error:

@@ -40,6 +40,7 @@ from ..plan import (
 __all__ = [
     "EFFICIENCY",
     "PublishedRun",
+    "by_context_degree",
     "held_to",
     "lab_cluster",
     "measure_link",
@@ -149,6 +150,26 @@ def plan_lab(
     techniques = techniques or Techniques(precision="fp32")
     cluster = lab_cluster(link, devices=devices, memory=memory, peak_flops=peak_flops)
     return plan(model, cluster, techniques)
+
+
+def by_context_degree(
+    model: ModelShape, cluster: Cluster, techniques: Techniques, degrees=(1, 2, 4, 8)
+) -> dict[int, Layout | None]:
+    """The planner's fastest layout that fits at each context-parallel degree of
+    ``degrees`` (``None``: nothing fits, or the degree splits neither the sequence nor the
+    devices), for a table of how long a sequence context parallelism lets a cluster train.
+    ``techniques`` (with ``attention="fused"``, which ring attention and Ulysses need)
+    gives everything else the planner may choose."""
+    if not isinstance(techniques, Techniques) or techniques.attention != "fused":
+        raise ValueError(
+            f"Invalid techniques: {techniques!r} (expected Techniques with attention='fused')"
+        )
+    out = {}
+    for c in degrees:
+        check_int("degrees", c, 1)
+        best = plan(model, cluster, dataclasses.replace(techniques, cp=(c,)), top=1)
+        out[c] = best[0] if best else None
+    return out
 
 
 def planned_run(

@@ -43,6 +43,55 @@ the queries, K and V, the projection's input and the MLP's: ``sb(h + 2 kv h/a + 
 3 ffn for a gated MLP (the gate and up projections' outputs and the down projection's
 input, as Megatron-LM's fused SwiGLU keeps them).
 
+**Beyond the survey** (each an option whose default leaves every count above as it was):
+
+* *Sequence parallelism* (``sequence_parallel=True``, above) changes no byte on the wire:
+  each of tensor parallelism's all-reduces of an activation, ``2 (t-1)/t`` of its bytes
+  sent by a rank in a ring, becomes an all-gather and a reduce-scatter, ``(t-1)/t`` each
+  (Korthikanti et al. 2022, Section 4.2.2; :func:`layer_traffic`).
+* *Context parallelism* (``cp`` = c ranks share each sequence; ring attention, Liu et al.
+  2023, or DeepSpeed-Ulysses, Jacobs et al. 2023, as :mod:`lsdl_lab.parallel.context`):
+  a rank holds s/c positions of every activation, so every term above is counted at s/c
+  (the logits too). Both keep no s x s scores (a log-sum-exp per query, as a fused kernel),
+  so ``cp > 1`` needs ``attention="fused"``. Their bytes per layer and micro-batch are
+  :func:`~lsdl_lab.parallel.context.ring_attention_bytes` of a K shard
+  (``(6c - 4) n`` in one dtype, under 6 whole-sequence K tensors whatever c; ``(8c - 4) n``
+  for 16-bit K and V, whose gradients accumulate in float32) or
+  :func:`~lsdl_lab.parallel.context.ulysses_attention_bytes` of a Q shard
+  (``8 (c-1)/c n``), in :func:`layer_traffic`.
+* *Experts* (:class:`GPTShape`'s ``experts`` E and ``top_k`` k, as
+  :class:`lsdl_lab.moe.MoE`: each block's MLP becomes E copies and a router, E x h without
+  bias): parameters ``dense + L ((E-1) FFN + E h)`` with FFN one MLP's parameters;
+  :func:`active_parameters`, those a token meets, counts k experts. Expert parallelism
+  (``ep`` = e ranks, inside the data-parallel group: GShard, Lepikhin et al. 2021) leaves
+  E/e experts on a rank, their states partitioned by ZeRO over the dp/e ranks that hold
+  the same experts. Activations: each token's MLP activations k times (its k rows), and
+  per token its k gathered inputs, the k outputs (kept for the gates' product) and the k
+  weighted outputs (kept by the sum into the token's row, ``index_add``), h wide each,
+  and the router's E float32 probabilities; the routing's int64 indices and float32
+  gates are left out (the tests bound them), as are the rows dropped over capacity.
+  All-to-all bytes per MoE layer and micro-batch (dispatch and combine, forward and
+  backward): ``4 k T h p (e-1)/e`` for T tokens a rank (:func:`layer_traffic`, the
+  :class:`~lsdl_lab.parallel.AllToAllBytes` a rank hands over less the 1/e it keeps).
+* *8-bit Adam* (``optimizer="adam8bit"``, :class:`lsdl_lab.optim.AdamW8bit`, Dettmers et
+  al. 2022): a tensor of n >= 4096 values keeps each moment in a byte a value and a
+  float32 absmax a block of 2048 values, ``2n + 8 ceil(n/2048)`` bytes; a smaller one
+  Adam's two float32 moments, 8n; plus the float32 master weights in mixed precision.
+* *FP8 linears* (``fp8=True``, Micikevicius et al. 2022, as
+  :class:`lsdl_lab.memory.FP8Linear` and Transformer Engine's ``Linear``): the blocks'
+  four linear layers keep their input for the backward pass in FP8, 1 byte, not p (the
+  QKV and first MLP layers' inputs, the projection's, the second MLP layer's), and an FP8
+  copy of their weight, 1 byte per matrix weight element (on a rank, per layer and
+  micro-batch: the library's layer casts it at each call; Transformer Engine can cache one
+  copy across micro-batches). What else backward needs stays at p: LayerNorms' and the
+  GeLU's inputs, Q, K, V and the attention's output (a fused kernel keeps it beside the
+  projection's FP8 copy), the scores. The output layer stays in high precision (as FP8
+  recipes keep it). Model states are not changed: the master weights, their gradients
+  and the optimizer keep their precision (``precision``); the scales (4 bytes a tensor)
+  are left out. At p = 2 and the defaults a layer keeps 7 sbh bytes fewer of inputs (2 sbh
+  on every tensor-parallel rank, 5 sbh split over t) and 12 h^2/t more of weights: without
+  tensor parallelism FP8 saves activation memory only where s b > 12h/7.
+
 What the formula leaves out, measured on the book's GPT by the tests (SavedTensorBytes):
 LayerNorm's float32 mean and 1/std per token, the int64 token, position and target
 indices; and under ``torch.autocast`` with float32 master weights (not Megatron-LM's
@@ -80,11 +129,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .._util import check_bool, check_choice, check_int
+from .quantize import BLOCK_SIZE
 from .zero import zero_bytes
 
 __all__ = [
     "ATTENTIONS",
+    "CONTEXTS",
     "GPTShape",
     "ResNetShape",
     "OPTIMIZERS",
@@ -92,9 +145,11 @@ __all__ = [
     "RECOMPUTE",
     "activation_bytes",
     "activation_parts",
+    "active_parameters",
     "gpt_memory",
     "gpt_param_parts",
     "gpt_param_shapes",
+    "layer_traffic",
     "optimizer_state_bytes",
     "resnet_activation_bytes",
     "resnet_memory",
@@ -102,9 +157,10 @@ __all__ = [
 ]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adam", "sgd_momentum", "adafactor")
+OPTIMIZERS = ("adam", "sgd_momentum", "adafactor", "adam8bit")
 RECOMPUTE = ("none", "selective", "full")
 ATTENTIONS = ("materialized", "fused")
+CONTEXTS = ("ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -114,7 +170,8 @@ class GPTShape:
     tokens, ``positions`` learned positions (the block size; default ``seq_len``), the
     output layer ``tied`` to the token embedding or not; ``kv_heads`` key and value heads
     (grouped-query attention; default ``heads``), an MLP ``ffn`` wide (default 4
-    ``hidden``), ``gated`` (SwiGLU) or not."""
+    ``hidden``), ``gated`` (SwiGLU) or not; ``experts`` (0: a dense MLP) copies of the MLP
+    with a router sending each token to ``top_k`` of them (:class:`lsdl_lab.moe.MoE`)."""
 
     layers: int
     hidden: int
@@ -127,8 +184,12 @@ class GPTShape:
     kv_heads: int | None = None
     ffn: int | None = None
     gated: bool = False
+    experts: int = 0
+    top_k: int = 2
 
     def __post_init__(self):
+        check_int("experts", self.experts, 0)
+        check_int("top_k", self.top_k, 1, self.experts or None)
         for name in ("layers", "hidden", "heads", "seq_len", "micro_batch", "vocab"):
             check_int(name, getattr(self, name), 1)
         for name in ("positions", "kv_heads", "ffn"):
@@ -156,10 +217,11 @@ class GPTShape:
         return self.ffn or 4 * self.hidden
 
 
-def gpt_param_parts(shape: GPTShape, tp: int = 1) -> dict[str, list[tuple[int, ...]]]:
+def gpt_param_parts(shape: GPTShape, tp: int = 1, ep: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """The parameter shapes of the GPT held by one of ``tp`` tensor-parallel ranks, by
-    part: ``"embedding"`` (tokens, by vocabulary; positions whole), one ``"block"``, and the
-    ``"head"`` (the final LayerNorm and, untied, the output layer).
+    part: ``"embedding"`` (tokens, by vocabulary; positions whole), one ``"block"``, one
+    block's ``"experts"`` on one of ``ep`` expert-parallel ranks (empty for a dense GPT),
+    and the ``"head"`` (the final LayerNorm and, untied, the output layer).
 
     A block: LayerNorm (h, h), QKV ((h + 2 kv h/a) x h and its bias), projection (h x h, h),
     MLP (ffn x h, ffn, h x ffn, h; a gated MLP's first layer is 2 ffn x h, the gate and the
@@ -167,11 +229,17 @@ def gpt_param_parts(shape: GPTShape, tp: int = 1) -> dict[str, list[tuple[int, .
     (Shoeybi et al. 2019): QKV and the first MLP layer by rows (with their biases), the
     projection and the second MLP layer by columns, the token embedding by vocabulary;
     LayerNorms, the projection's and second MLP layer's biases and the positions whole on
-    every rank.
+    every rank. With ``experts`` E, the block's MLP is a router (E x h, no bias, whole on
+    every rank) and E/ep experts, each an MLP split over ``tp`` as the dense one.
     """
     if not isinstance(shape, GPTShape):
         raise TypeError(f"Invalid shape: a {type(shape).__name__} (expected a GPTShape)")
     h, t, v = shape.hidden, check_int("tp", tp, 1), shape.vocab
+    e = check_int("ep", ep, 1)
+    if e > 1 and not shape.experts:
+        raise ValueError(f"Invalid ep: {ep} (expected 1 for a dense GPT: it has no experts)")
+    if shape.experts % e:
+        raise ValueError(f"Invalid ep: {ep} (expected a divisor of experts={shape.experts})")
     qkv = h + 2 * shape.kv * (h // shape.heads)
     up = (2 if shape.gated else 1) * shape.mlp
     if h % t or v % t or qkv % t or shape.mlp % t:
@@ -179,18 +247,34 @@ def gpt_param_parts(shape: GPTShape, tp: int = 1) -> dict[str, list[tuple[int, .
             f"Invalid tp: {tp} (expected a divisor of hidden, vocab, the QKV width {qkv} and "
             f"the MLP width {shape.mlp})"
         )
-    block = [(h,), (h,), (qkv // t, h), (qkv // t,), (h, h // t), (h,)]
-    block += [(h,), (h,), (up // t, h), (up // t,), (h, shape.mlp // t), (h,)]
+    block = [(h,), (h,), (qkv // t, h), (qkv // t,), (h, h // t), (h,), (h,), (h,)]
+    mlp = [(up // t, h), (up // t,), (h, shape.mlp // t), (h,)]
+    experts = mlp * (shape.experts // e)
+    block += [(shape.experts, h)] if shape.experts else mlp
     positions = shape.positions or shape.seq_len
     head = [(h,), (h,)] + ([] if shape.tied else [(v // t, h)])
-    return {"embedding": [(v // t, h), (positions, h)], "block": block, "head": head}
+    embedding = [(v // t, h), (positions, h)]
+    return {"embedding": embedding, "block": block, "experts": experts, "head": head}
 
 
-def gpt_param_shapes(shape: GPTShape, tp: int = 1) -> list[tuple[int, ...]]:
-    """The parameter shapes of the GPT held by one of ``tp`` tensor-parallel ranks: the
-    embeddings, ``layers`` blocks and the head of :func:`gpt_param_parts`, in order."""
-    parts = gpt_param_parts(shape, tp)
-    return parts["embedding"] + parts["block"] * shape.layers + parts["head"]
+def gpt_param_shapes(shape: GPTShape, tp: int = 1, ep: int = 1) -> list[tuple[int, ...]]:
+    """The parameter shapes of the GPT held by one of ``tp`` tensor-parallel ranks (and of
+    ``ep`` expert-parallel ranks): the embeddings, ``layers`` blocks (with their experts)
+    and the head of :func:`gpt_param_parts`, in order."""
+    parts = gpt_param_parts(shape, tp, ep)
+    return parts["embedding"] + (parts["block"] + parts["experts"]) * shape.layers + parts["head"]
+
+
+def active_parameters(shape: GPTShape) -> int:
+    """Parameters a token meets: all of a dense GPT's; of an MoE GPT, every layer's router
+    and ``top_k`` of its ``experts`` (:meth:`lsdl_lab.moe.MoE.active_parameters`), so
+    ``L (E - k)`` experts fewer than it holds."""
+    parts = gpt_param_parts(shape)
+    total = sum(_numel(s) for s in gpt_param_shapes(shape))
+    if not shape.experts:
+        return total
+    one = sum(_numel(s) for s in parts["experts"]) // shape.experts
+    return total - shape.layers * (shape.experts - shape.top_k) * one
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -201,7 +285,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def optimizer_state_bytes(shapes: list[tuple[int, ...]], optimizer: str, precision: str) -> int:
-    """Bytes of optimizer state for parameters of these shapes (see the module's text)."""
+    """Bytes of optimizer state for parameters of these shapes (see the module's text;
+    ``"adam8bit"`` counts :class:`lsdl_lab.optim.AdamW8bit`'s state at its defaults)."""
     check_choice("optimizer", optimizer, OPTIMIZERS)
     check_choice("precision", precision, PRECISIONS)
     psi = sum(_numel(s) for s in shapes)
@@ -210,6 +295,15 @@ def optimizer_state_bytes(shapes: list[tuple[int, ...]], optimizer: str, precisi
         return master + 8 * psi
     if optimizer == "sgd_momentum":
         return master + 4 * psi
+    if optimizer == "adam8bit":
+        from ..optim.adam8bit import MIN_8BIT_SIZE  # here: lsdl_lab.optim imports this module
+
+        # Dettmers et al. 2022: per moment a byte a value and a float32 absmax a block;
+        # tensors under MIN_8BIT_SIZE values keep Adam's float32 moments
+        return master + sum(
+            2 * n + 2 * 4 * -(-n // BLOCK_SIZE) if n >= MIN_8BIT_SIZE else 8 * n
+            for n in map(_numel, shapes)
+        )
     # Adafactor: a row and a column statistic for a matrix (over the last two dimensions
     # of an order-k tensor, as Adafactor factors a convolution's weight), a full one for a
     # vector.
@@ -227,11 +321,15 @@ def activation_parts(
     sequence_parallel: bool = False,
     dropout: bool = True,
     attention: str = "materialized",
+    cp: int = 1,
+    fp8: bool = False,
 ) -> dict[str, float]:
     """Bytes of activations kept for the backward pass on one rank, by part: each
     ``"layer"``, the ``"embedding"`` (its dropout mask) and the ``"output"`` (the final
     LayerNorm's and the output layer's inputs, the float32 logits); see the module's text.
-    A pipeline stage holds some of them (:mod:`lsdl_lab.plan`)."""
+    A pipeline stage holds some of them (:mod:`lsdl_lab.plan`). ``cp`` context-parallel
+    ranks share each sequence (a rank's positions are s/cp); ``fp8`` keeps the linear
+    layers' inputs and weights for the backward pass in FP8."""
     if not isinstance(shape, GPTShape):
         raise TypeError(f"Invalid shape: a {type(shape).__name__} (expected a GPTShape)")
     a, s, b, h, v = shape.heads, shape.seq_len, shape.micro_batch, shape.hidden, shape.vocab
@@ -241,20 +339,34 @@ def activation_parts(
     t = check_int("tp", tp, 1)
     sp = t if check_bool("sequence_parallel", sequence_parallel) else 1
     m = 1 if check_bool("dropout", dropout) else 0
+    s //= _context_degree(shape, cp, attention)
+    if check_bool("fp8", fp8) and shape.experts:
+        raise ValueError(
+            f"Invalid fp8: True with experts={shape.experts} (FP8 experts are not modelled)"
+        )
     p = 4 if precision == "fp32" else 2
+    q = 1 if fp8 else p  # bytes of a linear layer's input kept for its backward pass
     sbh = s * b * h
-    whole = sbh * (4 * p + 2 * m) / sp
-    # queries, keys and values, the projection's input, the MLP's (12 sbh at the defaults)
-    width = 2 * h + 2 * shape.kv * (h // a) + (3 if shape.gated else 2) * shape.mlp
-    split = s * b * width * p / t
+    # two LayerNorms' inputs, the QKV and first MLP layers' inputs, two dropout masks
+    whole = sbh * (2 * p + 2 * q + 2 * m) / sp
+    # queries, keys and values; the projection's input (a fused kernel keeps it too, as its
+    # output, in p bytes); the MLP's: 12 sbh at the defaults
+    projection = h * q + (h * p if fp8 and attention == "fused" else 0)
+    k = shape.top_k if shape.experts else 1
+    mlp = k * shape.mlp * ((2 if shape.gated else 1) * p + q)
+    split = s * b * ((h + 2 * shape.kv * (h // a)) * p + projection + mlp) / t
+    if shape.experts:  # the k gathered inputs, k outputs, k weighted outputs; the softmax
+        split += s * b * (3 * k * h * p + 4 * shape.experts)
     if attention == "materialized":
         scores = a * s * s * b * (2 * p + m) / t
     else:
         scores = 4 * a * s * b / t  # the float32 log-sum-exp of each query and head
+    qkv = h + 2 * shape.kv * (h // a)
+    weights = (h * qkv + h * h + (3 if shape.gated else 2) * h * shape.mlp) / t if fp8 else 0
     if recompute == "none":
-        per_layer = whole + split + scores
+        per_layer = whole + split + scores + weights
     elif recompute == "selective":
-        per_layer = whole + split
+        per_layer = whole + split + weights
     else:
         per_layer = p * sbh / sp
     return {
@@ -262,6 +374,19 @@ def activation_parts(
         "embedding": sbh * m / sp,
         "output": 2 * p * sbh / sp + 4 * s * b * v / t,
     }
+
+
+def _context_degree(shape: GPTShape, cp, attention: str) -> int:
+    """``cp``, checked: a divisor of the sequence, with a fused attention kernel."""
+    c = check_int("cp", cp, 1)
+    if shape.seq_len % c:
+        raise ValueError(f"Invalid cp: {cp} (expected a divisor of seq_len={shape.seq_len})")
+    if c > 1 and attention != "fused":
+        raise ValueError(
+            f"Invalid cp: {cp} with attention={attention!r} (ring attention and Ulysses keep "
+            "no s x s scores: expected attention='fused')"
+        )
+    return c
 
 
 def activation_bytes(
@@ -273,6 +398,8 @@ def activation_bytes(
     sequence_parallel: bool = False,
     dropout: bool = True,
     attention: str = "materialized",
+    cp: int = 1,
+    fp8: bool = False,
 ) -> float:
     """Bytes of activations kept for the backward pass on one rank (Korthikanti et al.
     2022, eqs. 2-6 and Section 4.3, generalized to p bytes per activation: p = 2 in mixed
@@ -286,8 +413,80 @@ def activation_bytes(
         sequence_parallel=sequence_parallel,
         dropout=dropout,
         attention=attention,
+        cp=cp,
+        fp8=fp8,
     )
     return shape.layers * parts["layer"] + parts["embedding"] + parts["output"]
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def layer_traffic(
+    shape: GPTShape,
+    precision: str = "bf16",
+    recompute: str = "none",
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    context: str = "ring",
+    ep: int = 1,
+) -> dict[str, float]:
+    """Bytes one rank sends per layer and micro-batch, forward and backward, for its
+    ``"tp"``, ``"cp"`` and ``"ep"`` collectives (activations of ``precision``; n below is
+    one activation of this rank's T = s b / cp tokens, ``T h p`` bytes):
+
+    * tensor parallelism (Shoeybi et al. 2019): two all-reduces of n forward, two
+      backward, two more under full recomputation, each ``2 (t-1)/t n`` by a ring; with
+      ``sequence_parallel`` each is an all-gather and a reduce-scatter, ``(t-1)/t n``
+      each, the same bytes (Korthikanti et al. 2022, Section 4.2.2);
+    * context parallelism, ``context="ring"``:
+      :func:`~lsdl_lab.parallel.context.ring_attention_bytes` of one K shard
+      (``b kv/t s/cp h/a`` values), ``"ulysses"``:
+      :func:`~lsdl_lab.parallel.context.ulysses_attention_bytes` of one Q shard (K and V
+      repeated to every head, as the library's Ulysses takes them; ``heads/t`` must divide
+      by ``cp``); full recomputation sends the forward's bytes once more;
+    * expert parallelism (``tp = 1``): four all-to-alls of the k T rows (dispatch and
+      combine, each forward and backward), each keeping 1/e of them:
+      ``4 k T h p (e-1)/e``, six under full recomputation; the int64 counts' all-to-all
+      (``8 E (e-1)/e`` bytes) left out.
+    """
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("recompute", recompute, RECOMPUTE)
+    check_choice("context", context, CONTEXTS)
+    check_bool("sequence_parallel", sequence_parallel)
+    t, e = check_int("tp", tp, 1), check_int("ep", ep, 1)
+    gpt_param_parts(shape, tp, ep)  # the divisibility of heads, widths and experts
+    c = _context_degree(shape, cp, "fused")
+    p, dtype = (4 if precision == "fp32" else 2), _DTYPES[precision]
+    tokens, h, d = shape.seq_len // c * shape.micro_batch, shape.hidden, shape.hidden // shape.heads
+    n = tokens * h * p
+    full = recompute == "full"
+    per_pair = 2 * (t - 1) / t * n  # an all-reduce, or an all-gather and a reduce-scatter
+    out = {"tp": (6 if full else 4) * per_pair, "cp": 0.0, "ep": 0.0}
+    if c > 1:
+        heads = shape.kv if context == "ring" else shape.heads
+        if heads % t or (context == "ulysses" and heads // t % c):
+            raise ValueError(
+                f"Invalid cp: {cp} (expected {'kv_heads' if context == 'ring' else 'heads'}="
+                f"{heads} to divide by tp={tp}"
+                + (" and then by cp" if context == "ulysses" else "")
+                + ")"
+            )
+        # here, not at the top: lsdl_lab.parallel imports lsdl_lab.optim, which imports this
+        from ..parallel.context import ring_attention_bytes, ulysses_attention_bytes
+
+        numel = tokens * heads // t * d
+        bytes_of = ring_attention_bytes if context == "ring" else ulysses_attention_bytes
+        forward, backward = bytes_of(numel, c, dtype)
+        out["cp"] = float((2 if full else 1) * forward + backward)
+    if e > 1:
+        if t > 1:
+            raise ValueError(f"Invalid ep: {ep} with tp={tp} (expected tp=1: not modelled)")
+        one = shape.top_k * tokens * h * p * (e - 1) / e  # one all-to-all of the k T rows
+        out["ep"] = (6 if full else 4) * one
+    return out
 
 
 def gpt_memory(
@@ -299,6 +498,7 @@ def gpt_memory(
     dp: int = 1,
     tp: int = 1,
     recompute: str = "none",
+    ep: int = 1,
     **activation_options,
 ) -> dict[str, float]:
     """Bytes per rank of ``params``, ``grads``, ``optimizer_state``, ``activations`` and
@@ -306,12 +506,25 @@ def gpt_memory(
     assumption).
 
     ``dp`` ranks partition the model states by ZeRO ``zero_stage``; ``tp`` ranks split
-    the layers (Megatron-LM). ``activation_options`` (``sequence_parallel``, ``dropout``,
-    ``attention``) go to :func:`activation_bytes`. Buffers, temporaries, the allocator's
+    the layers (Megatron-LM); ``ep`` of the ``dp`` ranks split an MoE's experts, whose
+    states ZeRO partitions over the ``dp/ep`` ranks holding the same ones.
+    ``activation_options`` (``sequence_parallel``, ``dropout``, ``attention``, ``cp``,
+    ``fp8``) go to :func:`activation_bytes`. Buffers, temporaries, the allocator's
     fragmentation and communication buffers are not counted.
     """
     check_choice("precision", precision, PRECISIONS)
-    out = _model_states(gpt_param_shapes(shape, tp), precision, optimizer, zero_stage, dp)
+    parts = gpt_param_parts(shape, tp, ep)
+    dense = parts["embedding"] + parts["block"] * shape.layers + parts["head"]
+    out = _model_states(dense, precision, optimizer, zero_stage, dp)
+    if parts["experts"]:
+        if check_int("dp", dp, 1) % ep:
+            raise ValueError(
+                f"Invalid ep: {ep} (expected a divisor of dp={dp}: the expert-parallel ranks "
+                "are data-parallel ranks)"
+            )
+        experts = parts["experts"] * shape.layers
+        local = _model_states(experts, precision, optimizer, zero_stage, dp // ep)
+        out = {key: out[key] + local[key] for key in out}
     out["activations"] = activation_bytes(shape, precision, recompute, tp=tp, **activation_options)
     out["total"] = sum(out.values())
     return out

@@ -71,7 +71,20 @@ logits on the last; the bubble stretches the compute by ``1 + (pp - 1)/(v m)``.
 Ranks are placed as Megatron-LM places them: tensor-parallel ranks adjacent, then
 data-parallel, then pipeline stages, so a group stays on NVLink while it fits in a node.
 
-**Not modelled**: context parallelism, schedules other than 1F1B and Megatron-LM's
+**Context parallelism** (``Techniques.cp``, default none): ``dp x tp x pp x cp = devices``,
+each of the ``cp`` ranks of a sequence holding s/cp of its positions: the calculator's
+activations at s/cp (ring attention or Ulysses keep no s x s scores, so it needs fused
+attention), the compute split over ``tp x cp``, the tensor- and pipeline-parallel messages
+s/cp long, the model states partitioned and the gradients reduced over ``dp x cp`` ranks
+(Megatron-LM's), and per block and micro-batch the bytes of
+:func:`~lsdl_lab.memory.calculator.layer_traffic` (ring attention's or Ulysses's, the
+formulas of :mod:`lsdl_lab.parallel.context`) with a latency a ring hop or all-to-all step,
+on the intra-node link while ``tp x cp`` devices fit in a node, not hidden under the
+attention (a bound: ring attention overlaps them). ``Techniques.fp8`` and
+``optimizer="adam8bit"`` reach the calculator as its options of the same names. Experts
+(MoE) are the calculator's only: :meth:`ModelShape.from_shape` refuses them.
+
+**Not modelled**: schedules other than 1F1B and Megatron-LM's
 interleaving (Llama 3's tunable rounds, zero-bubble schedules), communication overlap
 inside the tensor- and pipeline-parallel paths, and the faster kernels of larger
 micro-batches. **Held to published runs** (``tests/plan/test_search.py`` records each

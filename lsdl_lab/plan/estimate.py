@@ -13,6 +13,7 @@ from ..memory.calculator import (
     RECOMPUTE,
     activation_parts,
     gpt_param_parts,
+    layer_traffic,
     optimizer_state_bytes,
 )
 from ..memory.zero import zero_bytes
@@ -131,6 +132,7 @@ def stage_memory(
     zero_stage: int,
     recompute: str,
     virtual_stages: int = 1,
+    cp: int = 1,
 ) -> dict[str, float]:
     """Bytes by category on the busiest pipeline rank, with ``psi`` (its parameters),
     ``psi_max`` (the most any rank holds: its gradients set the data-parallel time) and
@@ -138,7 +140,10 @@ def stage_memory(
     the first also the embeddings and the last the output layer, split over ``tp`` by the
     calculator and partitioned over ``dp`` by ZeRO; and the activations of the
     micro-batches in flight (:func:`in_flight`), each chunk's blocks by the calculator's
-    per-layer count, the embedding's on the first rank and the output's on the last."""
+    per-layer count, the embedding's on the first rank and the output's on the last. With
+    ``cp`` context-parallel ranks a rank keeps s/cp positions of each activation, and ZeRO
+    partitions the model states over the ``dp x cp`` ranks that hold the same ones
+    (Megatron-LM's distributed optimizer shards over data and context parallelism)."""
     v = virtual_stages
     m = model.global_batch // (dp * micro_batch)
     blocks = partition(model.layers, pp, v, techniques.embedding_slots)
@@ -147,7 +152,7 @@ def stage_memory(
     shape = model.shape(micro_batch)
     parts = gpt_param_parts(shape, tp)
     act = activation_parts(
-        shape, techniques.precision, recompute, tp=tp, **techniques.activation_options()
+        shape, techniques.precision, recompute, tp=tp, cp=cp, **techniques.activation_options()
     )
     best, psi_max = None, 0
     for r in _ranks(pp, blocks):
@@ -155,7 +160,7 @@ def stage_memory(
         psi = sum(math.prod(s) for s in shapes)
         psi_max = max(psi_max, psi)
         k = optimizer_state_bytes(shapes, techniques.optimizer, techniques.precision) / psi
-        out = zero_bytes(psi, zero_stage, dp, k, param_bytes=techniques.width,
+        out = zero_bytes(psi, zero_stage, dp * cp, k, param_bytes=techniques.width,
                          grad_bytes=techniques.gradient_bytes)  # fmt: skip
         flight = in_flight(pp, v, m, r)
         out["activations"] = sum(n * b * act["layer"] for n, b in zip(flight, blocks[r]))
@@ -193,31 +198,45 @@ def communication_times(
     zero_stage: int,
     recompute: str,
     virtual_stages: int = 1,
+    cp: int = 1,
     psi: float,
 ) -> dict[str, float]:
-    """Seconds of tensor-, pipeline- and data-parallel communication per step (``"tp"``,
-    ``"pp"``, ``"dp"``), ``psi`` parameters on the device with the most; the model is
-    :mod:`lsdl_lab.plan`'s."""
-    h, s, b, v = model.hidden, model.seq_len, micro_batch, virtual_stages
+    """Seconds of tensor-, pipeline-, data- and context-parallel communication per step
+    (``"tp"``, ``"pp"``, ``"dp"``, ``"cp"``), ``psi`` parameters on the device with the
+    most; the model is :mod:`lsdl_lab.plan`'s. With ``cp`` ranks to a sequence each
+    activation message is s/cp positions; the gradients are reduced over ``dp x cp``
+    ranks; each block sends :func:`~lsdl_lab.memory.calculator.layer_traffic`'s context
+    bytes per micro-batch, with one latency per ring hop (``2 cp - 1``, forward and
+    backward) or per all-to-all step (``4 (cp - 1)``), on the intra-node link while ``tp
+    cp`` devices fit in a node, not overlapped with the attention it feeds (a bound)."""
+    h, s, b, v = model.hidden, model.seq_len // cp, micro_batch, virtual_stages
     width, grads = techniques.width, techniques.reduction_bytes
     m = model.global_batch // (dp * b)
     blocks = partition(model.layers, pp, v, techniques.embedding_slots)
     per_stage = max(sum(chunks) for chunks in blocks)
-    out = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    out = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0}
     if tp > 1:
         link = cluster.link(True)
         count = 6 if recompute == "full" else 4
         one = ring_all_reduce_time(width * b * s * h, tp, link.alpha, link.beta)
         out["tp"] = count * per_stage * m * one
     if pp > 1:
-        link = cluster.link(tp * dp * pp <= cluster.devices_per_node)
+        link = cluster.link(tp * cp * dp * pp <= cluster.devices_per_node)
         messages = 2 * (v * m + pp - 1)
         out["pp"] = messages * (link.alpha + width * b * s * h / tp * link.beta)
-    if dp > 1:
-        link = cluster.link(tp * dp <= cluster.devices_per_node)
+    if cp > 1:
+        link = cluster.link(tp * cp <= cluster.devices_per_node)
+        shape = model.shape(micro_batch)
+        sent = layer_traffic(shape, techniques.precision, recompute, tp=tp, cp=cp,
+                             context=techniques.context)["cp"]  # fmt: skip
+        hops = 2 * cp - 1 if techniques.context == "ring" else 4 * (cp - 1)
+        out["cp"] = per_stage * m * (hops * link.alpha + sent * link.beta)
+    if dp * cp > 1:
+        n = dp * cp
+        link = cluster.link(tp * n <= cluster.devices_per_node)
 
         def half(nbytes):  # a reduce-scatter or an all-gather: half a ring all-reduce
-            return ring_all_reduce_time(nbytes, dp, link.alpha, link.beta) / 2
+            return ring_all_reduce_time(nbytes, n, link.alpha, link.beta) / 2
 
         if zero_stage == 0:
             out["dp"] = 2 * half(grads * psi)

@@ -17,6 +17,7 @@ from .._util import (
 from ..distributed.cost import AlphaBeta
 from ..memory.calculator import (
     ATTENTIONS,
+    CONTEXTS,
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE,
@@ -56,6 +57,11 @@ class ModelShape:
         """The model of a calculator's ``shape`` (its micro-batch left to the planner)."""
         if not isinstance(shape, GPTShape):
             raise TypeError(f"Invalid shape: a {type(shape).__name__} (expected a GPTShape)")
+        if shape.experts:
+            raise ValueError(
+                f"Invalid shape: experts={shape.experts} (the planner does not model experts: "
+                "expected a dense GPT)"
+            )
         if shape.positions not in (None, shape.seq_len):
             raise ValueError(
                 f"Invalid shape: positions={shape.positions} (expected None or seq_len)"
@@ -135,7 +141,10 @@ class Techniques:
     Choices searched: tensor- and pipeline-parallel degrees (``None``: any divisor),
     data-parallel degrees (``None``: any), ZeRO stages, recomputation policies, micro-batch
     sizes, and ``virtual_stages``, the model chunks per device of the interleaved 1F1B
-    schedule (1: plain 1F1B; Narayanan et al. 2021, Section 2.2.2).
+    schedule (1: plain 1F1B; Narayanan et al. 2021, Section 2.2.2); ``cp``, the
+    context-parallel degrees (default ``(1,)``: none), each a divisor of the sequence, with
+    ``context`` their attention (``"ring"``, Liu et al. 2023, or ``"ulysses"``, Jacobs et
+    al. 2023; both need ``attention="fused"``).
 
     What the framework does (one value each, as the run to plan has it): the ``precision``
     and ``optimizer`` of the memory calculator; ``attention`` (``"materialized"`` s x s
@@ -153,7 +162,8 @@ class Techniques:
     float32 weights or Llama 3's float32 reduce-scatter); ``overlap``: whether the
     data-parallel collectives run under the passes (DDP's buckets, FSDP's prefetch and
     reduce-scatter; Li et al. 2020) or after them (Megatron-LM 2021, DeepSpeed's pipeline
-    engine).
+    engine); ``fp8``: the linear layers keep their inputs and weights for the backward pass
+    in FP8 (Micikevicius et al. 2022; the calculator's ``fp8``).
     """
 
     tp: tuple[int, ...] | None = None
@@ -163,6 +173,8 @@ class Techniques:
     recompute: tuple[str, ...] = RECOMPUTE
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     virtual_stages: tuple[int, ...] = (1,)
+    cp: tuple[int, ...] = (1,)
+    context: str = "ring"
     precision: str = "bf16"
     optimizer: str = "adam"
     attention: str = "materialized"
@@ -172,6 +184,7 @@ class Techniques:
     grad_bytes: float | None = None
     reduce_bytes: int | None = None
     overlap: bool = False
+    fp8: bool = False
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
@@ -185,16 +198,19 @@ class Techniques:
             check_int("micro_batches", b, 1)
         for v in self.virtual_stages:
             check_int("virtual_stages", v, 1)
+        for c in self.cp:
+            check_int("cp", c, 1)
+        check_choice("context", self.context, CONTEXTS)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("attention", self.attention, ATTENTIONS)
-        for name in ("dropout", "sequence_parallel", "embedding_slots", "overlap"):
+        for name in ("dropout", "sequence_parallel", "embedding_slots", "overlap", "fp8"):
             check_bool(name, getattr(self, name))
         if self.grad_bytes is not None:
             check_positive("grad_bytes", self.grad_bytes)
         if self.reduce_bytes is not None:
             check_choice("reduce_bytes", self.reduce_bytes, (2, 4))
-        for name in ("zero_stages", "recompute", "micro_batches", "virtual_stages"):
+        for name in ("zero_stages", "recompute", "micro_batches", "virtual_stages", "cp"):
             if not getattr(self, name):
                 raise ValueError(f"Invalid {name}: empty (expected at least one choice)")
 
@@ -219,4 +235,5 @@ class Techniques:
             sequence_parallel=self.sequence_parallel,
             dropout=self.dropout,
             attention=self.attention,
+            fp8=self.fp8,
         )

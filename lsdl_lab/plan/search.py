@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._util import check_bool, check_int
+from ..memory.calculator import layer_traffic
 from .estimate import (
     communication_times,
     partition,
@@ -20,10 +21,11 @@ __all__ = ["Layout", "evaluate", "layout_rank", "plan"]
 
 @dataclass(frozen=True)
 class Layout:
-    """One planned layout of a training run: the data-, tensor- and pipeline-parallel degrees
-    (``dp x tp x pp`` devices), the ZeRO stage, the micro-batch and its accumulation, the
-    recomputation policy, the model chunks per device of the pipeline schedule, and the
-    planner's estimates for them (seconds, bytes; ``stage`` is the busiest pipeline rank).
+    """One planned layout of a training run: the data-, tensor-, pipeline- and
+    context-parallel degrees (``dp x tp x pp x cp`` devices), the ZeRO stage, the
+    micro-batch and its accumulation, the recomputation policy, the model chunks per
+    device of the pipeline schedule, and the planner's estimates for them (seconds, bytes;
+    ``stage`` is the busiest pipeline rank).
     Not a run's configuration (:class:`lsdl_lab.run.Config`): what the planner proposes
     for one."""
 
@@ -38,30 +40,33 @@ class Layout:
     memory: dict = field(repr=False)  # bytes by category on the busiest pipeline rank
     compute_time: float
     bubble: float  # (pp - 1) / (v m), the fraction added to the compute
-    communication: dict = field(repr=False)  # seconds: "tp", "pp", "dp"
+    communication: dict = field(repr=False)  # seconds: "tp", "pp", "dp", "cp"
     step_time: float
     tokens_per_second: float
     virtual_stages: int = 1
     stage: int = 0
+    cp: int = 1
 
     def flops_per_device(self, model: ModelShape, recompute: str | None = None) -> float:
         """Achieved FLOP/s per device counted as :func:`train_flops_per_token` with
         ``recompute`` (default this layout's: hardware FLOPs; ``"none"``: model
         FLOPs, the MFU convention)."""
         per_token = train_flops_per_token(model, recompute or self.recompute)
-        return self.tokens_per_second * per_token / (self.dp * self.tp * self.pp)
+        return self.tokens_per_second * per_token / (self.dp * self.tp * self.pp * self.cp)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _invalid(model: ModelShape, cluster: Cluster, dp, tp, pp, micro_batch, v, embedding_slots):
+def _invalid(model: ModelShape, cluster: Cluster, dp, tp, pp, micro_batch, v, techniques, cp=1):
     """Why the degrees cannot lay out ``model`` on ``cluster`` (``(argument, reason)``), or
     ``None``."""
     shape = model.shape(1)
-    if dp * tp * pp != cluster.devices:
-        return "dp", f"{dp} x tp {tp} x pp {pp} (expected {cluster.devices} devices in all)"
+    if dp * tp * pp * cp != cluster.devices:
+        return "dp", (
+            f"{dp} x tp {tp} x pp {pp} x cp {cp} (expected {cluster.devices} devices in all)"
+        )
     if tp > cluster.devices_per_node:
         return "tp", f"{tp} (expected at most devices_per_node={cluster.devices_per_node})"
     widths = (model.hidden, model.vocab, model.heads, shape.kv, shape.mlp)
@@ -80,8 +85,15 @@ def _invalid(model: ModelShape, cluster: Cluster, dp, tp, pp, micro_batch, v, em
             f"{v} (the interleaved schedule needs pp > 1 and micro-batches {m} a multiple "
             f"of pp={pp})"
         )
-    if partition(model.layers, pp, v, embedding_slots) is None:
+    if partition(model.layers, pp, v, techniques.embedding_slots) is None:
         return "virtual_stages", f"{v} (expected at least a block per chunk of pp={pp})"
+    if cp > 1:
+        try:
+            layer_traffic(shape, techniques.precision, tp=tp, cp=cp, context=techniques.context)
+        except ValueError as error:  # the sequence, the heads
+            return "cp", str(error).removeprefix(f"Invalid cp: {cp} ")
+        if techniques.attention != "fused":
+            return "cp", f"{cp} with attention={techniques.attention!r} (expected 'fused')"
     return None
 
 
@@ -97,35 +109,35 @@ def evaluate(
     micro_batch: int,
     recompute: str,
     virtual_stages: int = 1,
+    cp: int = 1,
 ) -> Layout:
     """The planner's estimates for one layout, whether it fits or not (compare its
     ``bytes_per_device`` with ``cluster.usable``); the text of :mod:`lsdl_lab.plan` states
     every assumption. Refuses degrees that cannot lay the model out, naming the argument."""
     techniques = _check(model, cluster, techniques)
-    bad = _invalid(model, cluster, dp, tp, pp, micro_batch, virtual_stages,
-                   techniques.embedding_slots)  # fmt: skip
+    bad = _invalid(model, cluster, dp, tp, pp, micro_batch, virtual_stages, techniques, cp)
     if bad:
         raise ValueError(f"Invalid {bad[0]}: {bad[1]}")
     return _evaluate(model, cluster, techniques, dp, tp, pp, zero_stage, micro_batch,
-                     recompute, virtual_stages)  # fmt: skip
+                     recompute, virtual_stages, cp)  # fmt: skip
 
 
-def _evaluate(model, cluster, techniques, dp, tp, pp, zero_stage, b, recompute, v) -> Layout:
+def _evaluate(model, cluster, techniques, dp, tp, pp, zero_stage, b, recompute, v, cp=1):
     layout = dict(micro_batch=b, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage,
-                  recompute=recompute, virtual_stages=v)  # fmt: skip
+                  recompute=recompute, virtual_stages=v, cp=cp)  # fmt: skip
     m = model.global_batch // (dp * b)
     mem = stage_memory(model, techniques, **layout)
     psi, stage = mem.pop("psi_max"), mem.pop("stage")
     del mem["psi"]
     rate = cluster.peak_flops * cluster.efficiency
     per_token = stage_flops_per_token(model, pp, recompute, v, techniques.embedding_slots)
-    compute = model.global_batch * model.seq_len / dp * per_token / (tp * rate)
+    compute = model.global_batch * model.seq_len / dp * per_token / (tp * cp * rate)
     bubble = (pp - 1) / (v * m)
     comm = communication_times(model, cluster, techniques, psi=psi, **layout)
     exposed = comm["dp"]
     if techniques.overlap:
         exposed = max(0.0, comm["dp"] - _window(compute, m, zero_stage, recompute))
-    step = compute * (1 + bubble) + comm["tp"] + comm["pp"] + exposed
+    step = compute * (1 + bubble) + comm["tp"] + comm["pp"] + comm["cp"] + exposed
     return Layout(
         **layout,
         accumulation=m,
@@ -183,32 +195,42 @@ def plan(
     layouts = []
     for tp in techniques.tp or _divisors(n):
         for pp in techniques.pp or _divisors(n // tp if n % tp == 0 else 1):
-            if n % (tp * pp):
-                continue
-            dp = n // (tp * pp)
-            if techniques.dp and dp not in techniques.dp:
-                continue
-            for b in techniques.micro_batches:
-                for v in techniques.virtual_stages:
-                    if _invalid(model, cluster, dp, tp, pp, b, v, techniques.embedding_slots):
-                        continue
-                    for recompute in techniques.recompute:
-                        for zero in techniques.zero_stages:
-                            if zero and dp == 1:
-                                continue  # ZeRO partitions over dp ranks: nothing to split
-                            c = _evaluate(model, cluster, techniques, dp, tp, pp, zero, b,
-                                          recompute, v)  # fmt: skip
-                            if c.bytes_per_device <= cluster.usable or not fit:
-                                layouts.append(c)
+            for cp in techniques.cp:
+                if n % (tp * pp * cp):
+                    continue
+                dp = n // (tp * pp * cp)
+                if techniques.dp and dp not in techniques.dp:
+                    continue
+                layouts += _layouts(model, cluster, techniques, dp, tp, pp, cp, fit)
     layouts.sort(key=lambda c: c.step_time)
     return layouts[:top] if top else layouts
 
 
-def layout_rank(layouts: list[Layout], dp: int, tp: int, pp: int) -> int | None:
-    """The 1-based rank of the degrees ``(dp, tp, pp)`` among the distinct degrees of the
-    ranked ``layouts`` (each ranked by its best layout), or ``None``."""
+def _layouts(model, cluster, techniques, dp, tp, pp, cp, fit) -> list[Layout]:
+    """The layouts of these degrees: every micro-batch, schedule, recomputation and ZeRO
+    stage allowed (those that fit, unless ``fit`` is False)."""
+    out = []
+    for b in techniques.micro_batches:
+        for v in techniques.virtual_stages:
+            if _invalid(model, cluster, dp, tp, pp, b, v, techniques, cp):
+                continue
+            for recompute in techniques.recompute:
+                for zero in techniques.zero_stages:
+                    if zero and dp * cp == 1:
+                        continue  # ZeRO partitions over dp x cp ranks: nothing to split
+                    c = _evaluate(model, cluster, techniques, dp, tp, pp, zero, b,
+                                  recompute, v, cp)  # fmt: skip
+                    if c.bytes_per_device <= cluster.usable or not fit:
+                        out.append(c)
+    return out
+
+
+def layout_rank(layouts: list[Layout], dp: int, tp: int, pp: int, cp: int = 1) -> int | None:
+    """The 1-based rank of the degrees ``(dp, tp, pp, cp)`` among the distinct degrees of
+    the ranked ``layouts`` (each ranked by its best layout), or ``None``."""
     seen = []
     for c in layouts:
-        if (c.dp, c.tp, c.pp) not in seen:
-            seen.append((c.dp, c.tp, c.pp))
-    return seen.index((dp, tp, pp)) + 1 if (dp, tp, pp) in seen else None
+        if (c.dp, c.tp, c.pp, c.cp) not in seen:
+            seen.append((c.dp, c.tp, c.pp, c.cp))
+    key = (dp, tp, pp, cp)
+    return seen.index(key) + 1 if key in seen else None

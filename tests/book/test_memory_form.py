@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from lsdl_lab.book.memory_form import calculator_form, memory_table, trade_offs
+from lsdl_lab.book.memory_form import COLUMNS, calculator_form, memory_table, trade_offs
 from lsdl_lab.memory import GPTShape, gpt_memory, zero_bytes
 
 SHAPE = GPTShape(4, 64, 4, 32, 2, 100)
@@ -52,7 +52,11 @@ def test_form_redraws_on_every_control():
     assert "Invalid heads" in shown()
     form.controls["heads"].value = 4
     assert "<table>" in shown()
+    form.controls["optimizer"].value = "adam8bit"
+    form.controls["fp8"].value = True
+    new = gpt_memory(SHAPE, dp=4, zero_stage=3, optimizer="adam8bit", fp8=True)
+    assert cells(shown()) == pytest.approx([new[c] / 2**30 for c in COLUMNS], abs=0.01)
     assert set(form.controls) == {
         "layers", "hidden", "heads", "seq_len", "micro_batch", "vocab", "dp",
-        "precision", "optimizer", "zero_stage", "recompute",
+        "precision", "optimizer", "zero_stage", "recompute", "fp8",
     }  # fmt: skip

@@ -8,6 +8,7 @@ import statistics
 import pytest
 
 from lsdl_lab.book.planning import (
+    by_context_degree,
     lab_cluster,
     measure_link,
     plan_lab,
@@ -18,10 +19,28 @@ from lsdl_lab.book.planning import (
 from lsdl_lab.distributed import call_each, spawn
 from lsdl_lab.distributed.cost import AlphaBeta, ring_all_reduce_time
 from lsdl_lab.memory.calculator import gpt_param_shapes
-from lsdl_lab.plan import ModelShape
+from lsdl_lab.plan import Cluster, ModelShape, Techniques
 from lsdl_lab.run import Config, run_rank, train
 
 LAB = ModelShape(layers=2, hidden=64, heads=4, seq_len=64, vocab=256, global_batch=8)
+
+
+def test_context_parallelism_lets_the_sequence_grow():
+    # 16 GPUs of 12 GB (A100 links): a 128K sequence fits no layout without context
+    # parallelism, whatever tensor parallelism and ZeRO do; with 2, 4 or 8 ranks to a
+    # sequence it does (3 divides neither the sequence nor the devices).
+    cluster = Cluster(16, 8, 12e9, 300e9, 5e-6, 25e9, 10e-6, 312e12)
+    model = ModelShape(8, 1024, 16, 131072, 32768, 16)
+    techniques = Techniques(pp=(1,), micro_batches=(1,), recompute=("selective",),
+                            attention="fused", dropout=False)  # fmt: skip
+    best = by_context_degree(model, cluster, techniques, (1, 2, 4, 8, 3))
+    assert best[1] is None and best[3] is None
+    for c in (2, 4, 8):
+        assert best[c].cp == c and best[c].bytes_per_device <= cluster.usable
+    with pytest.raises(ValueError, match="Invalid techniques"):
+        by_context_degree(model, cluster, Techniques())
+    with pytest.raises(ValueError, match="Invalid degrees"):
+        by_context_degree(model, cluster, techniques, (0,))
 
 
 def test_lab_plan_uses_the_measured_link():

@@ -5,22 +5,31 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from lsdl_lab.distributed.world import free_port
 from lsdl_lab.memory.calculator import (
     GPTShape,
     ResNetShape,
     activation_bytes,
+    active_parameters,
     gpt_memory,
+    gpt_param_parts,
     gpt_param_shapes,
+    layer_traffic,
     optimizer_state_bytes,
     resnet_activation_bytes,
     resnet_memory,
     resnet_param_shapes,
 )
+from lsdl_lab.memory.fp8 import convert_to_fp8
 from lsdl_lab.memory.measure import SavedTensorBytes, measure
 from lsdl_lab.memory.zero import zero_bytes
 from lsdl_lab.models import GPT, ResNet, count_parameters
+from lsdl_lab.moe import MoE
+from lsdl_lab.optim import AdamW, AdamW8bit
+from lsdl_lab.parallel import ExpertParallelMoE
 from lsdl_lab.profiles import PROFILES
 
 # GPT-3-like sizes (hidden 6144, 64 heads, 48 layers: the scale Korthikanti et al. study).
@@ -182,6 +191,237 @@ def test_bad_shapes(kwargs, name, error):
         GPTShape(**{**fields, **kwargs})
     with pytest.raises(TypeError, match="Invalid shape"):
         gpt_memory(fields)
+
+
+# -- beyond the survey: sequence and context parallelism, experts, 8-bit Adam, FP8 -----------
+
+
+def test_sequence_parallelism_sends_what_tensor_parallelism_sends():
+    sbh, t = 2048 * 4 * 6144, 8
+    # four all-reduces of a 2-byte activation, 2 (t-1)/t of it each by a ring; sequence
+    # parallelism's all-gather and reduce-scatter, (t-1)/t each
+    plain = layer_traffic(SHAPE, tp=t)["tp"]
+    assert plain == layer_traffic(SHAPE, tp=t, sequence_parallel=True)["tp"]
+    assert plain == pytest.approx(4 * 2 * (t - 1) / t * 2 * sbh)
+    assert layer_traffic(SHAPE, "bf16", "full", tp=t)["tp"] == pytest.approx(1.5 * plain)
+    assert layer_traffic(SHAPE) == {"tp": 0, "cp": 0, "ep": 0}
+    # Korthikanti et al. 2022, Table 2: sequence parallelism and full recomputation, 2sbh/t
+    assert _per_layer("full", tp=t, sequence_parallel=True) == pytest.approx(2 * sbh / t)
+
+
+@pytest.mark.parametrize("c, t, sp", [(2, 1, False), (4, 8, True), (8, 8, False)])
+def test_context_parallelism_divides_the_activations(c, t, sp):
+    s, b, h, a, v = 2048 // c, 4, 6144, 64, 51200  # a rank's positions
+    sbh, lse = s * b * h, 4 * a * s * b  # the fused kernel's float32 log-sum-exp
+    got = _per_layer("none", attention="fused", tp=t, sequence_parallel=sp, cp=c)
+    expected = (34 * sbh + lse) / t if sp else sbh * (10 + 24 / t) + lse / t
+    assert got == pytest.approx(expected, rel=1e-12)
+    outside = 2 * activation_bytes(replace(SHAPE, layers=1), attention="fused", cp=c, tp=t)
+    outside -= activation_bytes(replace(SHAPE, layers=2), attention="fused", cp=c, tp=t)
+    assert outside == pytest.approx(sbh * 5 + 4 * s * b * v / t)  # the logits too
+    whole = activation_bytes(SHAPE, attention="fused", cp=c)
+    assert whole == activation_bytes(replace(SHAPE, seq_len=s), attention="fused")
+
+
+def test_context_parallel_bytes_are_ring_attentions_and_ulysses():
+    # Llama-3-8B-like attention (32 heads of 128, 8 K and V heads) on a 32K sequence
+    shape = GPTShape(1, 4096, 32, 32768, 1, 32000, kv_heads=8)
+    previous = None
+    for c in (2, 4, 8):
+        n = 8 * (32768 // c) * 128 * 4  # one float32 K shard of a rank
+        ring = layer_traffic(shape, "fp32", cp=c)["cp"]
+        # 2 (c-1) n forward; 2 (c-1) n and 2 c n of gradients backward (context.py)
+        assert ring == (2 * (c - 1) + 2 * (c - 1) + 2 * c) * n
+        assert ring / (c * n) == 6 - 4 / c  # under 6 whole-sequence K tensors, whatever c
+        q = 32 * (32768 // c) * 128 * 4
+        ulysses = layer_traffic(shape, "fp32", cp=c, context="ulysses")["cp"]
+        assert ulysses == 8 * (c - 1) * q // c
+        share = ulysses / (c * q)  # of one whole-sequence Q: 8 (c-1)/c^2, falling with c
+        assert previous is None or share < previous
+        previous = share
+    n = 8 * 8192 * 128 * 2  # bf16 K and V; their gradients accumulate in float32
+    assert layer_traffic(shape, "bf16", cp=4)["cp"] == 2 * 3 * n + 2 * 3 * n + 2 * 4 * 2 * n
+    assert layer_traffic(shape, "bf16", "full", cp=4)["cp"] == 4 * 3 * n + 2 * 3 * n + 16 * n
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"cp": 3}, "cp"),  # not a divisor of 32768
+        ({"cp": 0}, "cp"),
+        ({"cp": 8, "tp": 8, "context": "ulysses"}, "cp"),  # 32 heads / 8 = 4, not by 8
+        ({"cp": 2, "context": "star"}, "context"),
+        ({"ep": 2}, "ep"),  # a dense GPT
+    ],
+)
+def test_bad_traffic_arguments(kwargs, name):
+    shape = GPTShape(1, 4096, 32, 32768, 1, 32000, kv_heads=8)
+    with pytest.raises(ValueError, match=f"Invalid {name}"):
+        layer_traffic(shape, **kwargs)
+    if "context" not in kwargs and "ep" not in kwargs and kwargs["cp"]:
+        with pytest.raises(ValueError, match="Invalid cp"):
+            activation_bytes(shape, attention="materialized" if kwargs["cp"] == 8 else "fused",
+                             **{k: v for k, v in kwargs.items() if k == "cp"})  # fmt: skip
+
+
+@pytest.mark.parametrize("experts, top_k", [(4, 1), (4, 2), (8, 2)])
+def test_expert_parameters_are_the_book_moe_gpts(experts, top_k):
+    gpt = GPT(64, 32, 2, heads=4, dim=64, moe_experts=experts, moe_top_k=top_k)
+    shape = GPTShape(2, 64, 4, 32, 1, 64, experts=experts, top_k=top_k)
+    total = sum(math.prod(s) for s in gpt_param_shapes(shape))
+    assert total == count_parameters(gpt)
+    dense = sum(math.prod(s) for s in gpt_param_shapes(replace(shape, experts=0)))
+    ffn = 2 * 64 * 256 + 256 + 64  # one MLP, one expert
+    assert total == dense + 2 * ((experts - 1) * ffn + experts * 64)  # and an E x h router
+    moe = [block.mlp for block in gpt.blocks]
+    assert all(isinstance(m, MoE) for m in moe)
+    outside = count_parameters(gpt) - sum(sum(p.numel() for p in m.parameters()) for m in moe)
+    assert active_parameters(shape) == outside + sum(m.active_parameters() for m in moe)
+    assert active_parameters(replace(shape, experts=0)) == dense
+
+
+def test_expert_parallelism_divides_the_experts_states():
+    shape = GPTShape(4, 256, 4, 64, 1, 1024, experts=8, top_k=2)
+    ffn = 2 * 256 * 1024 + 1024 + 256
+    dense = sum(math.prod(s) for s in gpt_param_shapes(replace(shape, experts=0)))
+    dense += 4 * (8 * 256 - ffn)  # a router in place of each layer's MLP
+    assert sum(math.prod(s) for s in gpt_param_parts(shape, ep=4)["experts"]) == 2 * ffn
+    for stage in range(4):
+        got = gpt_memory(shape, zero_stage=stage, dp=8, ep=4)
+        # dense states partitioned over the 8 ranks; a rank's 2 experts of each of the 4
+        # layers over the 8/4 = 2 ranks that hold them
+        here, experts = zero_bytes(dense, stage, 8), zero_bytes(4 * 2 * ffn, stage, 2)
+        for key in ("params", "grads", "optimizer_state"):
+            assert got[key] == pytest.approx(here[key] + experts[key], rel=1e-12)
+    whole = gpt_memory(shape, zero_stage=0, dp=8)
+    assert whole["params"] == 2 * (dense + 4 * 8 * ffn)
+    assert gpt_memory(shape, dp=8, ep=8)["params"] == 2 * (dense + 4 * ffn)
+
+
+@pytest.mark.parametrize(
+    "fields, kwargs, name",
+    [
+        ({}, {"ep": 3, "dp": 3}, "ep"),  # 8 experts
+        ({}, {"ep": 4, "dp": 2}, "ep"),  # expert-parallel ranks are data-parallel ranks
+        ({"experts": 0}, {"ep": 2, "dp": 2}, "ep"),
+        ({"top_k": 9}, {}, "top_k"),
+        ({"experts": -1}, {}, "experts"),
+        ({}, {"fp8": True}, "fp8"),
+    ],
+)
+def test_bad_expert_arguments(fields, kwargs, name):
+    with pytest.raises(ValueError, match=f"Invalid {name}"):
+        gpt_memory(GPTShape(2, 64, 4, 32, 1, 64, **{"experts": 8, **fields}), **kwargs)
+
+
+def _saved(gpt, vocab, seq, batch):
+    idx, target = torch.randint(vocab, (batch, seq)), torch.randint(vocab, (batch, seq))
+    with SavedTensorBytes(gpt) as saved:
+        F.cross_entropy(gpt(idx).flatten(0, 1), target.flatten()).backward()
+    return saved.peak
+
+
+@pytest.mark.parametrize("experts, top_k", [(4, 1), (8, 2)])
+def test_expert_activations_against_measurement(experts, top_k):
+    vocab, seq, layers, heads, dim, batch = 64, 32, 2, 4, 64, 4
+    torch.manual_seed(0)
+    # capacity factor E/k: an expert takes every token, none is dropped
+    gpt = GPT(vocab, seq, layers, heads, dim, moe_experts=experts, moe_top_k=top_k,
+              moe_capacity_factor=experts / top_k)  # fmt: skip
+    measured = _saved(gpt, vocab, seq, batch)
+    shape = GPTShape(layers, dim, heads, seq, batch, vocab, experts=experts, top_k=top_k)
+    calc = activation_bytes(shape, "fp32", dropout=False, attention="fused")
+    dense = activation_bytes(replace(shape, experts=0), "fp32", dropout=False, attention="fused")
+    assert calc > dense + layers * seq * batch * top_k * 3 * dim * 4
+    gap = measured - calc - _left_out(layers, seq, batch)
+    # what routing keeps that the count leaves out: int64 indices and float32 gates, a few
+    # numbers per assignment (measured: 28 bytes for k = 1, 34 for k = 2)
+    assert 0 <= gap <= layers * seq * batch * top_k * 48
+
+
+def test_all_to_all_bytes_are_the_rows_expert_parallelism_hands_over():
+    shape = GPTShape(1, 64, 4, 32, 4, 64, experts=8, top_k=2)
+    T = 32 * 4
+    for e in (2, 4, 8):
+        one = 2 * T * 64 * 4 * (e - 1) / e  # k T rows of h float32, but the 1/e kept
+        assert layer_traffic(shape, "fp32", ep=e)["ep"] == pytest.approx(4 * one)
+        assert layer_traffic(shape, "fp32", "full", ep=e)["ep"] == pytest.approx(6 * one)
+    with pytest.raises(ValueError, match="Invalid ep"):
+        layer_traffic(shape, ep=2, tp=2)
+    # The library's layer in a world of one: what it hands its all-to-alls (AllToAllBytes:
+    # E int64 counts, then dispatch and combine forward, their reverses backward) is the
+    # 4 k T rows the formula sends (e-1)/e of.
+    torch.manual_seed(0)
+    moe = MoE(64, 256, 8, top_k=2, capacity_factor=4.0)  # capacity 4 kT/E = T: no drops
+    started = not dist.is_initialized()
+    if started:
+        store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        layer = ExpertParallelMoE.from_dense(moe)
+        layer(torch.randn(4, 32, 64, requires_grad=True)).sum().backward()
+    finally:
+        if started:
+            dist.destroy_process_group()
+    assert layer.dropped == 0
+    rows = layer.bytes.total - 8 * 8
+    e = 4
+    assert layer_traffic(shape, "fp32", ep=e)["ep"] == pytest.approx(rows * (e - 1) / e)
+
+
+def test_8bit_adam_state_is_the_optimizers():
+    torch.manual_seed(0)
+    for vocab, seq, dim in [(64, 32, 64), (100, 16, 96)]:
+        gpt = GPT(vocab, seq, 2, 4, dim)
+        shapes = [tuple(p.shape) for p in gpt.parameters()]
+        idx = torch.randint(vocab, (2, seq))
+        for make, name in [(AdamW8bit, "adam8bit"), (AdamW, "adam")]:
+            opt = make(gpt.parameters(), lr=1e-3)
+            gpt.zero_grad()
+            F.cross_entropy(gpt(idx).flatten(0, 1), idx.flatten()).backward()
+            opt.step()
+            state = measure(gpt, opt)["optimizer_state"]  # the state's tensors, each once
+            assert state == optimizer_state_bytes(shapes, name, "fp32")
+        assert any(math.prod(s) >= 4096 for s in shapes)  # some tensors are kept in 8 bits
+    # by hand: 8192 values (>= 4096) a byte a moment and 4 blocks of 2048, two float32
+    # scales each; 3000 values (< 4096) Adam's two float32 moments
+    assert optimizer_state_bytes([(64, 128), (3000,)], "adam8bit", "fp32") == (
+        2 * 8192 + 2 * 4 * 4 + 8 * 3000
+    )
+    shapes = [(4096, 4096)]
+    psi = 4096 * 4096
+    eight, adam = (optimizer_state_bytes(shapes, o, "bf16") for o in ("adam8bit", "adam"))
+    assert eight == 4 * psi + 2 * psi + 8 * psi // 2048  # with the float32 master weights
+    assert adam == 12 * psi and (eight - 4 * psi) / (adam - 4 * psi) == (2 + 8 / 2048) / 8
+
+
+def test_fp8_linears_keep_a_byte_per_input_and_weight():
+    s, b, h, a = 2048, 4, 6144, 64
+    sbh = s * b * h
+    # bf16: the QKV and first MLP inputs, the projection's and the second MLP layer's
+    # (4h), 1 byte each instead of 2: 7 sbh saved; the FP8 weights, 12 h^2 bytes
+    assert _per_layer("none", fp8=True) == pytest.approx(sbh * 27 + 5 * a * s * s * b + 12 * h * h)
+    assert _per_layer("selective", fp8=True) == pytest.approx(27 * sbh + 12 * h * h)
+    assert _per_layer("full", fp8=True) == _per_layer("full")
+    assert _per_layer("selective", fp8=True, tp=8) == pytest.approx(
+        8 * sbh + 19 * sbh / 8 + 12 * h * h / 8
+    )
+    report = gpt_memory(SHAPE, fp8=True)
+    for key in ("params", "grads", "optimizer_state"):  # the master weights keep their bytes
+        assert report[key] == gpt_memory(SHAPE)[key]
+    with pytest.raises(TypeError, match="Invalid fp8"):
+        gpt_memory(SHAPE, fp8="yes")
+
+
+@pytest.mark.parametrize("vocab, seq, layers, heads, dim, batch", SIZES)
+def test_fp8_activations_against_measurement(vocab, seq, layers, heads, dim, batch):
+    torch.manual_seed(0)
+    gpt = convert_to_fp8(GPT(vocab, seq, layers, heads, dim), keep={"head"})
+    measured = _saved(gpt, vocab, seq, batch)
+    shape = GPTShape(layers, dim, heads, seq, batch, vocab)
+    calc = activation_bytes(shape, "fp32", dropout=False, attention="fused", fp8=True)
+    scales = layers * 4 * 2 * 4  # each FP8 linear keeps its input's and weight's float32 scale
+    assert measured == calc + _left_out(layers, seq, batch) + scales
 
 
 # -- the ResNet ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from lsdl_lab.memory.calculator import (
     activation_parts,
     gpt_memory,
     gpt_param_parts,
+    layer_traffic,
 )
 from lsdl_lab.memory.zero import zero_bytes
 from lsdl_lab.plan import (
@@ -234,6 +235,82 @@ def test_evaluate_names_what_cannot_be_laid_out(small, small_cluster):
     tight = dataclasses.replace(small_cluster, memory=1e6)
     assert evaluate(small, tight, None, **layout).bytes_per_device > tight.usable
     assert plan(small, tight, fit=False) and not plan(small, tight)
+
+
+def test_context_parallelism_fits_a_long_sequence(small, small_cluster):
+    # A 128K sequence: one sequence's activations overfill a device (32 GB against 10.8),
+    # whatever ZeRO does; 4 context-parallel ranks hold 32K positions each (8.8 GB).
+    long = dataclasses.replace(small, seq_len=131072, global_batch=16)
+    base = Techniques(tp=(2,), pp=(1,), zero_stages=(1,), micro_batches=(1,),
+                      recompute=("selective",), attention="fused", dropout=False)  # fmt: skip
+    assert not plan(long, small_cluster, base)
+    assert all(c.cp == 1 for c in plan(long, small_cluster, base, fit=False))
+    layouts = plan(long, small_cluster, dataclasses.replace(base, cp=(1, 2, 4, 8)))
+    assert layouts and {c.cp for c in layouts} <= {4, 8}
+    c = next(c for c in layouts if c.cp == 4)
+    assert (c.dp, c.tp, c.pp, c.accumulation) == (2, 2, 1, 8)
+    # the calculator's bytes at s/cp, the model states partitioned over dp x cp = 8 ranks
+    options = dict(attention="fused", dropout=False, recompute="selective")
+    expected = gpt_memory(long.shape(1), zero_stage=1, dp=8, tp=2, cp=4, **options)
+    assert c.bytes_per_device == pytest.approx(expected["total"], rel=1e-12)
+    assert (
+        expected["activations"]
+        == gpt_memory(
+            dataclasses.replace(long, seq_len=32768).shape(1), zero_stage=1, dp=8, tp=2, **options
+        )["activations"]
+    )
+    # per block and micro-batch: ring attention's bytes (2 cp - 1 hops) on NVLink (tp cp = 8
+    # devices, one node); the tensor-parallel all-reduces of 32K positions
+    from lsdl_lab.distributed.cost import ring_all_reduce_time
+
+    link = small_cluster.link(True)
+    sent = layer_traffic(long.shape(1), tp=2, cp=4)["cp"]
+    per_micro_batch = long.layers * (7 * link.alpha + sent * link.beta)
+    assert c.communication["cp"] == pytest.approx(8 * per_micro_batch, rel=1e-12)
+    one = ring_all_reduce_time(2 * 32768 * long.hidden, 2, *_ab(link))
+    assert c.communication["tp"] == pytest.approx(4 * long.layers * 8 * one, rel=1e-12)
+    # the compute split over tp x cp = 8 devices; the step adds the context's seconds
+    rate = small_cluster.peak_flops * small_cluster.efficiency
+    tokens = long.global_batch * long.seq_len
+    flops = train_flops_per_token(long, "selective")
+    assert c.compute_time == pytest.approx(tokens / 2 * flops / (2 * 4 * rate), rel=1e-12)
+    comm = c.communication
+    assert c.step_time == pytest.approx(c.compute_time + sum(comm.values()), rel=1e-12)
+    ulysses = evaluate(
+        long,
+        small_cluster,
+        dataclasses.replace(base, context="ulysses"),
+        dp=2,
+        tp=2,
+        pp=1,
+        cp=4,
+        zero_stage=1,
+        micro_batch=1,
+        recompute="selective",
+    )
+    assert ulysses.communication["cp"] < c.communication["cp"]  # 8 (c-1)/c Q's, not 6 K's
+    layout = dict(dp=2, tp=2, pp=1, zero_stage=1, micro_batch=1, recompute="selective")
+    for change, techniques in [
+        (dict(cp=3, dp=2), base),  # 2 x 2 x 3 is not 16 devices
+        (dict(cp=4), dataclasses.replace(base, attention="materialized")),
+    ]:
+        with pytest.raises(ValueError, match="Invalid (cp|dp)"):
+            evaluate(long, small_cluster, techniques, **(layout | change))
+
+
+def test_fp8_and_8bit_adam_reach_the_calculator(small, small_cluster):
+    techniques = Techniques(tp=(2,), pp=(1,), zero_stages=(0,), recompute=("none",),
+                            micro_batches=(4,), fp8=True, optimizer="adam8bit")  # fmt: skip
+    (c,) = plan(small, small_cluster, techniques)
+    expected = gpt_memory(small.shape(4), tp=2, dp=8, fp8=True, optimizer="adam8bit")
+    assert c.memory == pytest.approx(expected | {"total": c.bytes_per_device}, rel=1e-12)
+    plain = gpt_memory(small.shape(4), tp=2, dp=8)
+    assert expected["activations"] < plain["activations"]
+    assert expected["optimizer_state"] < 0.6 * plain["optimizer_state"]  # 6 of 12 bytes
+    # At one sequence of 1024 tokens the FP8 weights a layer keeps (12 h^2 / t bytes) outweigh
+    # the bytes its inputs save (2 sbh + 5 sbh / t): FP8 saves activations at larger b s.
+    one = gpt_memory(small.shape(1), tp=2, dp=8, fp8=True)["activations"]
+    assert one > gpt_memory(small.shape(1), tp=2, dp=8)["activations"]
 
 
 def _ab(link):

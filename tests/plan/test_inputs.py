@@ -70,6 +70,17 @@ def test_bad_inputs_are_named(a100):
         Techniques(overlap="yes")
     with pytest.raises(ValueError, match="optimizer"):
         Techniques(optimizer="lion")
+    with pytest.raises(ValueError, match="Invalid cp"):
+        Techniques(cp=())
+    with pytest.raises(ValueError, match="Invalid cp"):
+        Techniques(cp=(0,))
+    with pytest.raises(ValueError, match="Invalid context"):
+        Techniques(context="tree")
+    with pytest.raises(TypeError, match="Invalid fp8"):
+        Techniques(fp8=1)
+    moe = GPTShape(layers=2, hidden=64, heads=4, seq_len=16, micro_batch=1, vocab=100, experts=4)
+    with pytest.raises(ValueError, match="Invalid shape: experts=4"):
+        ModelShape.from_shape(moe, global_batch=8)
 
 
 def test_techniques_say_the_bytes_of_gradients_and_their_reduction():
