@@ -7,8 +7,9 @@
   (DDP, FSDP2), build the optimizer once after it (ZeRO 1-3 wrap it), the whole state
   under any mode, the bytes handed to collectives;
 * :mod:`~lsdl_lab.run.loop`: :func:`train`, one run on this process: :func:`lsdl_lab.train.fit`
-  with a :class:`~lsdl_lab.steps.DataParallelStep` and the run's checkpoint (files of
-  :mod:`lsdl_lab.checkpoint`);
+  with a :class:`~lsdl_lab.steps.DataParallelStep` and the run's checkpoint (a file of
+  :mod:`lsdl_lab.checkpoint`, or a sharded one of ``torch.distributed.checkpoint``, written
+  in the background with ``async_checkpoint``);
 * :mod:`~lsdl_lab.run.metrics`: the JSON-lines metrics log;
 * :mod:`~lsdl_lab.run.launch`: :func:`launch` (``torchrun`` from a notebook),
   :func:`spawn_run` (a world of :func:`lsdl_lab.distributed.spawn`) and the CLI.

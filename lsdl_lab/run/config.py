@@ -158,10 +158,25 @@ class Config:
     )
     timeout: float = _opt(120.0, "seconds before a collective that cannot complete fails", low=1.0)
     # output
-    out_dir: str = _opt("runs/lsdl", "directory of metrics.jsonl, checkpoint.pt and config.yaml")
+    out_dir: str = _opt(
+        "runs/lsdl",
+        "directory of metrics.jsonl, the checkpoint (checkpoint.pt or checkpoint.dcp/) and "
+        "config.yaml",
+    )
     log_every: int = _opt(1, "steps between metrics records", low=1)
     checkpoint_every: int = _opt(0, "steps between checkpoints (0 = only at the end)", low=0)
-    resume: bool = _opt(True, "continue from out_dir/checkpoint.pt when it exists")
+    checkpoint_format: str = _opt(
+        "file",
+        "file: one checkpoint.pt written by rank 0; dcp: checkpoint.dcp/, each rank writing "
+        "its shards with torch.distributed.checkpoint, resharded on resume",
+        choices=("file", "dcp"),
+    )
+    async_checkpoint: bool = _opt(
+        False,
+        "with checkpoint_format dcp: copy to host memory and write in the background "
+        "(dcp.async_save) instead of stopping training for the write",
+    )
+    resume: bool = _opt(True, "continue from out_dir's checkpoint when it exists")
     progress: bool = _opt(True, "progress bar on rank 0")
     # fault injection, to watch a restart or a NaN stop (the lab and the tests use them)
     kill_at_step: int = _opt(
@@ -176,6 +191,12 @@ class Config:
     def __post_init__(self):
         for f in fields(self):
             setattr(self, f.name, _checked(f, getattr(self, f.name)))
+        if self.async_checkpoint and self.checkpoint_format != "dcp":
+            raise ValueError(
+                f"Invalid async_checkpoint: True with checkpoint_format="
+                f"{self.checkpoint_format!r} (expected checkpoint_format='dcp': only "
+                "torch.distributed.checkpoint saves in the background)"
+            )
 
     @classmethod
     def from_dict(cls, values: dict) -> Config:

@@ -21,7 +21,9 @@ Otherwise the optimizer steps (through the loss scaler with fp16) and the schedu
 advances. What is the run's own: the model wrapped by :func:`.parallel.parallelize` and
 the optimizer built once after it, a metrics record every ``log_every`` steps
 (:class:`_Records`, fit's callback) and a checkpoint every ``checkpoint_every`` steps and
-at the end (:class:`RunCheckpoint`, the checkpoint fit is given).
+at the end (:class:`RunCheckpoint`, the checkpoint fit is given): one file written by rank
+0 (``checkpoint_format: file``), or a directory of PyTorch's distributed checkpoint that
+every rank writes its part of (``dcp``), in the background with ``async_checkpoint``.
 
 In a dry run (:mod:`lsdl_lab.profiles`; the caps reach every rank through the environment,
 which ``torchrun`` and :func:`lsdl_lab.distributed.spawn` pass on) the run stops after
@@ -34,6 +36,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -55,16 +58,25 @@ from .parallel import (
     build_optimizer,
     full_state,
     load_full_optimizer_state,
+    load_sharded_state,
     model_states,
+    names_of,
     parallelize,
+    sharded_state,
+    unwrapped,
+    whole_state,
 )
 
-__all__ = ["FORMAT", "Checkpointed", "RunCheckpoint", "train"]
+__all__ = ["FORMAT", "SHARDED_FORMAT", "Checkpointed", "RunCheckpoint", "train"]
 
-CHECKPOINT, METRICS, CONFIG = "checkpoint.pt", "metrics.jsonl", "config.yaml"
-# The run's checkpoint format and the keys it must hold (RunCheckpoint)
+CHECKPOINT, SHARDED = "checkpoint.pt", "checkpoint.dcp"
+METRICS, CONFIG = "metrics.jsonl", "config.yaml"
+# The run's checkpoint formats and the keys each must hold (RunCheckpoint): the file, and
+# the state.pt beside a sharded checkpoint's tensors (the tensors are DCP's)
 FORMAT = "lsdl_lab.run/1"
-KEYS = ("format", "step", "model", "optimizer", "scheduler", "world_size", "parallel", "config")
+SHARDED_FORMAT = "lsdl_lab.run.sharded/1"
+SMALL = ("format", "step", "scheduler", "world_size", "parallel", "config")
+KEYS = {FORMAT: SMALL + ("model", "optimizer"), SHARDED_FORMAT: SMALL + ("others",)}
 
 
 class Checkpointed(nn.Sequential):
@@ -193,29 +205,33 @@ def _gather(world: int, value) -> list:
 
 
 class RunCheckpoint(Checkpoint):
-    """The run's checkpoint (:mod:`lsdl_lab.checkpoint`, format :data:`FORMAT`): the whole
-    model and the optimizer state keyed by parameter name (:func:`.parallel.full_state`),
-    the scheduler and the loss scaler, the step, the elapsed time and where it was
-    written. Loadable under any parallel mode and world size: the model's weights are
-    loaded into the unwrapped model before it is parallelized (``state``, read once by
-    :func:`_run`), the rest by :meth:`restore`."""
+    """The run's checkpoint: the model and the optimizer state by parameter name, the
+    scheduler and the loss scaler, the step, the elapsed time and where it was written.
+    Loadable under any parallel mode and world size, in either format:
+
+    * ``file`` (:data:`FORMAT`): the whole state (:func:`.parallel.full_state`, a
+      collective) written by rank 0 to one file of :mod:`lsdl_lab.checkpoint`; the model's
+      weights are loaded into the unwrapped model before it is parallelized (``state``,
+      read once by :func:`_run`), the optimizer's by :meth:`restore`;
+    * ``dcp``: a step directory of :func:`lsdl_lab.checkpoint.save_sharded` under
+      ``checkpoint.dcp/``, every rank writing its part (:func:`.parallel.sharded_state`),
+      asynchronously with ``async_checkpoint`` (its collectives in a process group of
+      their own); :meth:`restore` reads each rank's part into the parallelized model and
+      its optimizer (ZeRO reads it whole, as a file).
+
+    ``blocked[step]`` is the time the save after ``step`` held this rank's training."""
 
     def __init__(self, path, state, model, optimizer, scheduler, step, config, world):
         self.path, self.state, self.config, self.world = path, state, config, world
         self.model, self.optimizer, self.scheduler, self.step = model, optimizer, scheduler, step
+        self.pending, self.blocked, self.group = None, {}, None
+        if config.async_checkpoint and world > 1:  # apart from training's collectives
+            self.group = dist.new_group(backend="gloo")
 
-    def save(self, step: int, history, elapsed: float) -> None:
-        """Write the run's state after ``step`` steps (every rank calls it: gathering the
-        whole state is a collective; rank 0 writes). The history is not kept: the metrics
-        log is the run's record."""
-        model_state, optimizer_state = full_state(self.model, self.optimizer)  # collective
-        files.save(
-            self.path,
-            FORMAT,
+    def _small(self, step: int, elapsed: float) -> dict:
+        return dict(
             step=step,
             elapsed=elapsed,
-            model=model_state,
-            optimizer=optimizer_state,
             scheduler=self.scheduler.state_dict(),
             scaler=self.step.state_dict()["scaler"],
             world_size=self.world,
@@ -223,24 +239,105 @@ class RunCheckpoint(Checkpoint):
             config=self.config.to_dict(),
         )
 
+    def save(self, step: int, history, elapsed: float) -> None:
+        """Write the run's state after ``step`` steps (every rank calls it: gathering the
+        whole state, or writing the shards, is a collective). The history is not kept:
+        the metrics log is the run's record."""
+        start = time.perf_counter()
+        if self.config.checkpoint_format == "file":
+            model_state, optimizer_state = full_state(self.model, self.optimizer)  # collective
+            files.save(
+                self.path,
+                FORMAT,
+                model=model_state,
+                optimizer=optimizer_state,
+                **self._small(step, elapsed),
+            )
+        else:
+            self.finish()  # the previous asynchronous save, before its group is used again
+            tensors, others = sharded_state(self.model, self.optimizer)
+            self.pending = files.save_sharded(
+                self.path,
+                step,
+                tensors,
+                SHARDED_FORMAT,
+                group=self.group,
+                asynchronous=self.config.async_checkpoint,
+                others=others,
+                **self._small(step, elapsed),
+            )
+        self.blocked[step] = time.perf_counter() - start
+
+    def finish(self) -> None:
+        """Wait for an asynchronous save still in flight and complete it."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
     def restore(self):
-        """Load the checkpoint's optimizer, scheduler and loss-scaler states (the model's
-        weights were loaded before it was wrapped) and return (an empty history, the
-        step, the elapsed time); None without a checkpoint."""
+        """Load the checkpoint's optimizer, scheduler and loss-scaler states (and, from a
+        sharded checkpoint, the model's: a file's weights were loaded before the model was
+        wrapped) and return (an empty history, the step, the elapsed time); None without
+        a checkpoint."""
         if self.state is None:
             return None
-        load_full_optimizer_state(self.model, self.optimizer, self.state["optimizer"])
+        if "optimizer" in self.state:  # a whole state: a file, or a sharded one read whole
+            load_full_optimizer_state(self.model, self.optimizer, self.state["optimizer"])
+        else:
+            tensors, _ = sharded_state(self.model, self.optimizer)
+            files.load_sharded(self.state["directory"], tensors, SHARDED_FORMAT)
+            load_sharded_state(self.model, self.optimizer, tensors, self.state["others"])
         self.scheduler.load_state_dict(self.state["scheduler"])
         self.step.load_state_dict({"scaler": self.state.get("scaler", {})})
         return History(), self.state["step"], float(self.state.get("elapsed", 0.0))
 
 
-def _load(path: Path, resume: bool) -> dict | None:
-    """The checkpoint to resume from, read once (every rank reads it), or None."""
-    if not (resume and path.exists()):
+def _found(out: Path, format: str) -> bool:
+    """Whether ``out`` holds a checkpoint of ``format`` (``file`` or ``dcp``)."""
+    if format == "file":
+        return (out / CHECKPOINT).exists()
+    return files.latest_sharded(out / SHARDED) is not None
+
+
+def _refuse_the_other_format(config: Config, out: Path) -> None:
+    """A run never starts afresh beside a checkpoint of the other format: it names it."""
+    other = "dcp" if config.checkpoint_format == "file" else "file"
+    if _found(out, other) and not _found(out, config.checkpoint_format):
+        raise files.CheckpointError(
+            f"{out} holds a checkpoint of checkpoint_format={other!r} "
+            f"({out / (SHARDED if other == 'dcp' else CHECKPOINT)}), and this run's is "
+            f"{config.checkpoint_format!r}: resume with checkpoint_format={other!r}, or "
+            "delete it (or do not resume) to start from step 0"
+        )
+
+
+def _load(config: Config, out: Path, model: nn.Module) -> dict | None:
+    """The checkpoint to resume from, or None: a file read once (every rank reads it),
+    or a sharded checkpoint's ``state.pt`` with its ``directory`` (the tensors are read
+    by :meth:`RunCheckpoint.restore` into the parallelized model), or, for ZeRO, read
+    whole into the state a file would hold."""
+    if not config.resume:
         return None
-    state = files.load(path, FORMAT)
-    missing = [k for k in KEYS if k not in state]
+    _refuse_the_other_format(config, out)
+    if config.checkpoint_format == "file":
+        path = out / CHECKPOINT
+        if not path.exists():
+            return None
+        state = files.load(path, FORMAT)
+    else:
+        path = files.latest_sharded(out / SHARDED)
+        if path is None:
+            return None
+        if config.parallel.startswith("zero"):
+            expected = {f"model.{k}": (v.shape, v.dtype) for k, v in model.state_dict().items()}
+            tensors, state = files.read_sharded(path, SHARDED_FORMAT, expected)
+            state["model"], state["optimizer"] = whole_state(
+                {**tensors, **state["others"]}, names_of(unwrapped(model))
+            )
+        else:
+            state = files.load(path / files.STATE, SHARDED_FORMAT)
+        state["directory"] = path
+    missing = [k for k in KEYS[state["format"]] if k not in state]
     if missing:
         raise files.CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}")
     return state
@@ -284,9 +381,10 @@ class _Records:
     gathered), appended to ``metrics.jsonl`` by rank 0. Every rank calls it after every
     step (the gathering is a collective)."""
 
-    def __init__(self, config, world, rank, model, optimizer, counter, scaler, path, state):
+    def __init__(self, config, world, rank, model, optimizer, counter, scaler, path, state,
+                 blocked):  # fmt: skip
         self.config, self.world, self.model, self.optimizer = config, world, model, optimizer
-        self.counter, self.scaler = counter, scaler
+        self.counter, self.scaler, self.blocked = counter, scaler, blocked
         start = state["step"] if state is not None else 0
         self.log = MetricsLog(path, rank == 0, start)
         elapsed = float(state.get("elapsed", 0.0)) if state is not None else 0.0
@@ -318,6 +416,8 @@ class _Records:
         }
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
+        if done in self.blocked:
+            record["checkpoint_s"] = self.blocked[done]
         self.log.write(record)
         self.last = {"step": done, "time": logged["time"], "bytes": sent}
 
@@ -331,7 +431,7 @@ def _run(config: Config, rank: int, world: int, where: Placement, why: str) -> l
             f"Invalid kill_rank: {config.kill_rank} (expected an int in [0, {world - 1}])"
         )
     out = Path(config.out_dir)
-    path = out / CHECKPOINT
+    path = out / (CHECKPOINT if config.checkpoint_format == "file" else SHARDED)
     _say(
         rank,
         f"lsdl_lab.run: world size {world}, {config.parallel}, device {device} "
@@ -350,8 +450,8 @@ def _run(config: Config, rank: int, world: int, where: Placement, why: str) -> l
             built.blocks,
             Checkpointed(blocks, config.activation_checkpoint, config.checkpoint_impl),
         )
-    state = _load(path, config.resume)
-    if state is not None:
+    state = _load(config, out, model)
+    if state is not None and "model" in state:
         model.load_state_dict(state["model"])  # before parallelize shards the model
     model = parallelize(model, config, world, built.blocks)
     optimizer = build_optimizer(model, config)  # once, after the model is wrapped
@@ -374,13 +474,17 @@ def _run(config: Config, rank: int, world: int, where: Placement, why: str) -> l
     if state is not None:
         _say(
             rank,
-            f"resumed from {path} at step {start} (written at world size "
+            f"resumed from {state.get('directory', path)} at step {start} (written at world "
+            f"size "
             f"{state['world_size']} with {state['parallel']})",
         )
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG).write_text(config.to_yaml())
-    records = _Records(config, world, rank, model, optimizer, counter, scaler, out / METRICS, state)
+    records = _Records(
+        config, world, rank, model, optimizer, counter, scaler, out / METRICS, state,
+        checkpoint.blocked,
+    )  # fmt: skip
     fit(
         model,
         optimizer,
@@ -399,6 +503,7 @@ def _run(config: Config, rank: int, world: int, where: Placement, why: str) -> l
         desc=f"lsdl_lab.run ({config.parallel}, world {world})",
         grad_norm=False,
     )
+    checkpoint.finish()
     steps = capped_steps(config.steps)
     if start >= steps:
         _say(rank, f"the checkpoint {path} is already at step {start} of {steps}")

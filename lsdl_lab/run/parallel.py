@@ -17,6 +17,13 @@ wrapped first, and only the model; the optimizer is built once, after it.
   keyed by parameter *name*, as one process holds them, whatever the mode. A checkpoint
   written under one mode and world size therefore loads under any other (ZeRO's and
   FSDP2's shards are cut again for the new world).
+* :func:`sharded_state`, :func:`load_sharded_state` and :func:`whole_state`: the same
+  state as a flat dict of named tensors for a sharded checkpoint
+  (:func:`lsdl_lab.checkpoint.save_sharded`, PyTorch's DCP): DDP's and FSDP2's from
+  ``get_state_dict`` (FSDP2's as DTensors, each rank its shards, which DCP reshards on
+  load), ZeRO's whole (its flat shards are not DTensors, which DCP could address: every
+  rank gathers the whole state, as for a file). The names are the same in every mode, so
+  any mode resumes any other's.
 * :class:`~lsdl_lab.distributed.CollectiveBytes` (from :mod:`lsdl_lab.distributed.traffic`,
   the one byte counter of the book) counts what a rank hands to collectives in every mode:
   DDP's all-reduces and compression hooks, ZeRO's and FSDP2's gathers and reduce-scatters
@@ -40,6 +47,9 @@ __all__ = [
     "check_config",
     "full_state",
     "load_full_optimizer_state",
+    "load_sharded_state",
+    "sharded_state",
+    "whole_state",
     "model_states",
     "parallelize",
 ]
@@ -225,6 +235,105 @@ def load_full_optimizer_state(
         optimizer.load_full_state_dict(by_index)
     else:
         optimizer.load_state_dict(by_index)
+
+
+# -- the same state, flat, for a sharded checkpoint -----------------------------------------
+
+
+def _flat(tree: dict, prefix: str) -> dict:
+    """A nested dict as one level of dotted names (the names DCP gives nested dicts)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _flat_optimizer(state: dict) -> dict:
+    """An optimizer state keyed by parameter name (:func:`state_by_name`) flattened as
+    ``torch.distributed.checkpoint.state_dict`` flattens one: ``state.<name>.<key>`` and
+    ``param_groups.<name>.<hyperparameter>``."""
+    out = {f"state.{n}.{k}": v for n, s in state["state"].items() for k, v in s.items()}
+    for group in state["param_groups"]:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        out.update({f"param_groups.{n}.{k}": v for n in group["params"] for k, v in hyper.items()})
+    return out
+
+
+def _split(flat: dict) -> tuple[dict, dict]:
+    """(the tensors that are not 0-d, the rest): what DCP writes, what ``state.pt`` holds."""
+    tensors = {k: v for k, v in flat.items() if torch.is_tensor(v) and v.ndim > 0}
+    return tensors, {k: v for k, v in flat.items() if k not in tensors}
+
+
+def _dsd_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(this rank's tensors, the numbers and 0-d tensors) of the model and optimizer, by
+    the names ``model.<parameter>``, ``optimizer.state.<parameter>.<key>`` and
+    ``optimizer.param_groups.<parameter>.<key>``: from ``get_state_dict`` (PyTorch, 2024;
+    FSDP2's as DTensors, a fresh optimizer's state made by a step of zero gradients at
+    learning rate 0), or ZeRO's whole state (a collective)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        model_state, optimizer_state = full_state(model, optimizer)
+        optimizer_state = _flat_optimizer(optimizer_state)
+    else:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_dsd_options())
+    return _split(_flat({"model": model_state, "optimizer": optimizer_state}, ""))
+
+
+def load_sharded_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict, others: dict
+) -> None:
+    """Load what :func:`lsdl_lab.checkpoint.load_sharded` read into the template of
+    :func:`sharded_state` (``tensors``) and the numbers of ``state.pt`` (``others``) into
+    a DDP or FSDP2 model and its optimizer (``set_state_dict``, PyTorch, 2024)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    flat = {**tensors, **others}
+    model_state = {k[6:]: v for k, v in flat.items() if k.startswith("model.")}
+    optimizer_state = {k[10:]: v for k, v in flat.items() if k.startswith("optimizer.")}
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optimizer_state,
+        options=_dsd_options(),
+    )
+
+
+def whole_state(flat: dict, names: list[str]) -> tuple[dict, dict]:
+    """The model's state dict and the optimizer state keyed by parameter name
+    (:func:`full_state`'s pair, what ZeRO resumes from) out of a flat sharded state read
+    whole; the parameters ``names`` (in the model's order) with equal hyperparameters
+    side by side form one group."""
+    model_state = {k[6:]: v for k, v in flat.items() if k.startswith("model.")}
+    state, hyper = {}, {}
+    for key, value in flat.items():
+        kind, _, rest = key.partition(".")
+        if kind != "optimizer":
+            continue
+        section, _, rest = rest.partition(".")
+        name, _, field = rest.rpartition(".")
+        (state if section == "state" else hyper).setdefault(name, {})[field] = value
+    groups = []
+    for name in names:
+        if name not in hyper:
+            continue
+        if groups and groups[-1][0] == hyper[name]:
+            groups[-1][1].append(name)
+        else:
+            groups.append((hyper[name], [name]))
+    param_groups = [{**h, "params": params} for h, params in groups]
+    return model_state, {"state": state, "param_groups": param_groups}
 
 
 # -- what the modes cannot do --------------------------------------------------------------

@@ -60,6 +60,18 @@ RESUMABLE = {
     "zero2_3_steps": dict(CONSTANT, parallel="zero2", steps=3),
     "zero2_5_steps": dict(CONSTANT, parallel="zero2", steps=5),
 }
+# sharded checkpoints (torch.distributed.checkpoint) written at world 2 after 3 steps, to
+# resume at worlds 1 and 4 (tests/run/test_checkpoint.py); one saves in the background
+# after every step
+SHARDED = {
+    name: dict(CONSTANT, parallel=parallel, steps=3, checkpoint_format="dcp", **extra)
+    for name, parallel, extra in (
+        ("ddp", "ddp", {}),
+        ("fsdp2", "fsdp2", {}),
+        ("zero2", "zero2", {}),
+        ("fsdp2_async", "fsdp2", dict(async_checkpoint=True, checkpoint_every=1)),
+    )
+}
 # tests/run/test_launch.py's killed and restarted run, and its uninterrupted twin
 RESTARTED = dict(CONSTANT, parallel="ddp", steps=5)
 
@@ -83,8 +95,14 @@ def train_each(rank: int, world_size: int, configs: dict[str, Config]) -> dict:
     return out
 
 
-def train_in_a_world_of_two(runs: dict[str, dict], root: Path) -> list[dict]:
+def train_in_a_world(runs: dict[str, dict], root: Path, world: int) -> list[dict]:
     """Train every run of ``runs`` (name -> Config fields) into ``root / name`` in one
-    spawned world of 2; each rank's :func:`train_each` results, rank by rank."""
+    spawned world of ``world`` ranks; each rank's :func:`train_each` results, rank by
+    rank."""
     configs = {name: make(fields, out_dir=str(Path(root) / name)) for name, fields in runs.items()}
-    return spawn(train_each, 2, configs, timeout=60)
+    return spawn(train_each, world, configs, timeout=60 * world)
+
+
+def train_in_a_world_of_two(runs: dict[str, dict], root: Path) -> list[dict]:
+    """:func:`train_in_a_world` of 2."""
+    return train_in_a_world(runs, root, 2)

@@ -1,14 +1,24 @@
 """The run's checkpoints (lsdl_lab.run.loop.RunCheckpoint): weights_only files; a corrupt,
 truncated or foreign file is an error naming it, and a run never restarts from scratch
-over it."""
+over it. Sharded checkpoints (checkpoint_format='dcp', torch.distributed.checkpoint):
+written at world 2 by DDP, FSDP2 and ZeRO-2 (one in the background), resumed at worlds 1
+and 4, in their mode and in another, with the uninterrupted run's losses and weights; a
+checkpoint of another model named with what differs; an interrupted save skipped."""
+
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from run_workers import CONSTANT, make
+from helpers import assert_same_tree
+from run_workers import CONSTANT, SHARDED, TOL, make, train_in_a_world
+from torch.distributed.checkpoint import FileSystemReader
 
-from lsdl_lab.checkpoint import load
+from lsdl_lab.checkpoint import latest_sharded, load, read_sharded
 from lsdl_lab.run import CheckpointError, main, train
-from lsdl_lab.run.loop import FORMAT
+from lsdl_lab.run.loop import FORMAT, SHARDED_FORMAT
+
+CLOSE = {torch.float64: dict(rtol=0.0, atol=TOL)}
 
 
 class _Payload:
@@ -81,3 +91,186 @@ def test_the_command_line_says_so_and_exits_1(finished, tmp_path, capsys):
     )
     assert main(flags + ["--no-resume", "--steps", "1"]) == 0  # asked to start afresh: it does
     assert load(tmp_path / "checkpoint.pt")["step"] == 1
+
+
+# -- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------
+# Written at world 2 (run_workers.SHARDED: DDP, FSDP2, ZeRO-2, FSDP2 saving in the background
+# after every step), resumed at world 1 here and at world 4 in one spawned world: every
+# resumed run must compute the losses and weights of one uninterrupted process (float64, to
+# run_workers.TOL: the last bits of the ranks' sums), whatever mode resumes it.
+
+
+def _sharded_weights(out) -> dict:
+    path = latest_sharded(Path(out) / "checkpoint.dcp")
+    tensors, state = read_sharded(path, SHARDED_FORMAT)
+    return state["step"], {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+
+
+def _resume_here(written: Path, root: Path, name: str) -> Path:
+    """A fresh run folder holding only the sharded checkpoint of run ``name``."""
+    out = root / name
+    shutil.copytree(written / name / "checkpoint.dcp", out / "checkpoint.dcp")
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole")
+    records = train(make(CONSTANT, steps=5, out_dir=str(out)))
+    return [r["loss"] for r in records], load(out / "checkpoint.pt")["model"]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    return root, train_in_a_world(SHARDED, root, 2)
+
+
+@pytest.fixture(scope="module")
+def resumed_at_four(sharded, tmp_path_factory):
+    """Each world-2 checkpoint resumed for 5 steps in one world of 4, in its own mode and in
+    the other sharded mode (DDP's by FSDP2, FSDP2's by DDP and by ZeRO-2)."""
+    written, _ = sharded
+    root = tmp_path_factory.mktemp("four")
+    runs = {}
+    for name, by in [("ddp", "ddp"), ("fsdp2", "fsdp2"), ("zero2", "zero2"),
+                     ("fsdp2_async", "fsdp2"), ("ddp", "fsdp2"), ("fsdp2", "ddp"),
+                     ("fsdp2", "zero2")]:  # fmt: skip
+        key = f"{name}_by_{by}"
+        shutil.copytree(written / name / "checkpoint.dcp", root / key / "checkpoint.dcp")
+        runs[key] = dict(SHARDED[name], parallel=by, steps=5, async_checkpoint=False,
+                         checkpoint_every=0)  # fmt: skip
+    return root, train_in_a_world(runs, root, 4)
+
+
+def test_each_rank_writes_its_part_and_the_async_save_keeps_the_last_step(sharded, uninterrupted):
+    written, results = sharded
+    losses, weights = uninterrupted
+    numel = sum(t.numel() for t in weights.values())
+    for name in SHARDED:
+        records = results[0][name]
+        assert [r["step"] for r in records] == [1, 2, 3]
+        assert max(abs(r["loss"] - x) for r, x in zip(records, losses)) < TOL, name
+        steps = sorted(p.name for p in (written / name / "checkpoint.dcp").iterdir())
+        assert steps == ["step-00000003"], (name, steps)  # older steps removed once complete
+        files = {p.name for p in (written / name / "checkpoint.dcp" / steps[0]).iterdir()}
+        assert {".metadata", "state.pt"} <= files
+        # DCP's metadata: where each piece of each tensor lies. DDP's and ZeRO's tensors
+        # are replicated: each is written once, whole; each of FSDP2's is in two pieces,
+        # one in each rank's file
+        metadata = FileSystemReader(str(written / name / "checkpoint.dcp" / steps[0]))
+        metadata = metadata.read_metadata()
+        tensors = {k: m for k, m in metadata.state_dict_metadata.items() if hasattr(m, "chunks")}
+        assert len(tensors) == 3 * 6, name  # 6 weights and biases, with Adam's 2 moments
+        pieces = {len(m.chunks) for m in tensors.values()}
+        assert pieces == ({2} if name.startswith("fsdp2") else {1}), (name, pieces)
+        held = {i.fqn: set() for i in metadata.storage_data}
+        for index, where in metadata.storage_data.items():
+            held[index.fqn].add(where.relative_path)
+        if name.startswith("fsdp2"):
+            assert all(f == {"__0_0.distcp", "__1_0.distcp"} for f in held.values()), held
+        assert sum(m.size.numel() for m in tensors.values()) == 3 * numel
+        state = load(written / name / "checkpoint.dcp" / steps[0] / "state.pt", SHARDED_FORMAT)
+        assert state["world_size"] == 2 and state["step"] == 3 and state["parallel"] in name
+    # the background save ran after every step; the others only at the end
+    async_records = results[0]["fsdp2_async"]
+    assert all(r["checkpoint_s"] > 0 for r in async_records)
+    assert [("checkpoint_s" in r) for r in results[0]["ddp"]] == [False, False, True]
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_a_world_2_checkpoint_resumed_on_one_process_follows_the_uninterrupted_run(
+    name, sharded, uninterrupted, tmp_path
+):
+    written, _ = sharded
+    losses, weights = uninterrupted
+    out = _resume_here(written, tmp_path, name)
+    config = make(SHARDED[name], steps=5, out_dir=str(out))
+    records = train(config.replace(async_checkpoint=False, checkpoint_every=0))
+    assert [r["step"] for r in records] == [4, 5] and records[0]["world_size"] == 1
+    assert max(abs(r["loss"] - x) for r, x in zip(records, losses[3:])) < TOL
+    step, resumed = _sharded_weights(out)
+    assert step == 5
+    assert_same_tree(resumed, weights, name, CLOSE)
+
+
+def test_a_world_2_checkpoint_resumed_at_world_4_in_any_mode_follows_it(
+    resumed_at_four, uninterrupted
+):
+    root, results = resumed_at_four
+    losses, weights = uninterrupted
+    assert losses[0] > losses[-1]  # it trains: not two untouched models compared
+    for key, records in results[0].items():
+        assert [r["step"] for r in records] == [4, 5], key
+        assert records[0]["world_size"] == 4
+        assert max(abs(r["loss"] - x) for r, x in zip(records, losses[3:])) < TOL, key
+        step, resumed = _sharded_weights(root / key)
+        assert step == 5
+        assert_same_tree(resumed, weights, key, CLOSE)
+        state = load(latest_sharded(root / key / "checkpoint.dcp") / "state.pt")
+        assert state["world_size"] == 4
+    assert all(r == {k: [] for k in results[0]} for r in results[1:])
+
+
+def test_a_sharded_checkpoint_of_another_model_or_optimizer_is_refused_naming_what_differs(
+    sharded, tmp_path
+):
+    written, _ = sharded
+    cases = [
+        ("fsdp2", dict(width=32), r"model\.net\.1\.weight \(16, 64\) torch\.float64 \(this "
+         r"run: \(32, 64\) torch\.float64\)"),
+        ("ddp", dict(optimizer="SGD", optimizer_args={"momentum": 0.9}),
+         r"it lacks: optimizer\.state\.net\.1\.bias\.momentum_buffer.*; it has tensors this "
+         r"run does not: optimizer\.state\.net\.1\.bias\.exp_avg"),
+        ("zero2", dict(width=32), r"model\.net\.1\.weight \(16, 64\)"),
+        ("ddp", dict(dtype="float32"), r"model\.net\.1\.bias \(16,\) torch\.float64 \(this run: "
+         r"\(16,\) torch\.float32\)"),
+    ]  # fmt: skip
+    for i, (name, changes, message) in enumerate(cases):
+        out = _resume_here(written, tmp_path / str(i), name)
+        directory = out / "checkpoint.dcp" / "step-00000003"
+        config = make(SHARDED[name], steps=5, out_dir=str(out), **changes)
+        with pytest.raises(CheckpointError, match=f"checkpoint {directory} was written by "
+                           f"another model or optimizer: .*{message}"):  # fmt: skip
+            train(config.replace(async_checkpoint=False))
+        assert latest_sharded(out / "checkpoint.dcp") == directory  # untouched
+
+
+def test_an_interrupted_sharded_save_is_skipped_and_a_damaged_one_named(sharded, tmp_path):
+    written, _ = sharded
+    out = _resume_here(written, tmp_path, "ddp")
+    good = out / "checkpoint.dcp" / "step-00000003"
+    # a save of step 4 that died before state.pt: DCP's files there, the run resumes at 3
+    shutil.copytree(good, out / "checkpoint.dcp" / "step-00000004")
+    (out / "checkpoint.dcp" / "step-00000004" / "state.pt").unlink()
+    assert latest_sharded(out / "checkpoint.dcp") == good
+    records = train(make(SHARDED["ddp"], steps=4, out_dir=str(out)))
+    assert [r["step"] for r in records] == [4]
+    assert [p.name for p in (out / "checkpoint.dcp").iterdir()] == ["step-00000004"]
+    # a state.pt that is not one: named, never a fresh start
+    (out / "checkpoint.dcp" / "step-00000004" / "state.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="state.pt cannot be read: it is corrupt"):
+        train(make(SHARDED["ddp"], steps=5, out_dir=str(out)))
+
+
+def test_a_checkpoint_of_the_other_format_is_named_not_started_over(sharded, finished, tmp_path):
+    written, _ = sharded
+    out = _resume_here(written, tmp_path, "ddp")
+    config = make(SHARDED["ddp"], steps=5, out_dir=str(out))
+    message = (
+        f"{out} holds a checkpoint of checkpoint_format='dcp' .*, and this run's is 'file': "
+        "resume with checkpoint_format='dcp'"
+    )
+    with pytest.raises(CheckpointError, match=message):
+        train(config.replace(checkpoint_format="file"))
+    _, path = finished
+    shutil.copy(path, tmp_path / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="checkpoint_format='file'"):
+        train(config.replace(out_dir=str(tmp_path)))
+    assert not (tmp_path / "checkpoint.dcp").exists()
+
+
+def test_a_background_save_needs_the_sharded_format():
+    with pytest.raises(ValueError, match="Invalid async_checkpoint: True with "
+                       "checkpoint_format='file' .expected checkpoint_format='dcp'"):  # fmt: skip
+        make(CONSTANT, async_checkpoint=True)
