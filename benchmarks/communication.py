@@ -14,6 +14,14 @@ the ranks meet at a barrier; a call's time is the wall clock (a collective waits
 peer: no CPU clock sees that) of the slower rank. The goal (issue 12): the ring at >= 0.8x
 the built-in's throughput from 1e6 floats on, i.e. ``time(built-in) / time(ring) >= 0.8``.
 
+**All-to-all and the other all-reduces.** In worlds of 2 and 4 processes, the same way:
+:func:`~lsdl_lab.distributed.collectives.all_to_all` (pairwise exchange) against
+``dist.all_to_all_single``, and
+:func:`~lsdl_lab.distributed.collectives.rabenseifner_all_reduce`,
+:func:`~lsdl_lab.distributed.collectives.binary_tree_all_reduce` and, at 4, 2 nodes of 2,
+:func:`~lsdl_lab.distributed.collectives.hierarchical_all_reduce` against
+``dist.all_reduce``, each checked against its reference's answer first.
+
 **Compression.** In this process, each compressor of :mod:`lsdl_lab.compress` encodes
 (``compress``) and decodes (``decompress``) one float32 gradient, a ``side x side``
 matrix, against what torch's DDP hooks do to a bucket: the cast of ``fp16_compress_hook``
@@ -49,11 +57,19 @@ from benchmarks.timing import (
 )
 from lsdl_lab import compress
 from lsdl_lab.distributed import ring_all_reduce, spawn, tree_all_reduce
+from lsdl_lab.distributed.collectives import (
+    all_to_all,
+    binary_tree_all_reduce,
+    hierarchical_all_reduce,
+    rabenseifner_all_reduce,
+)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "communication.md"
 GOAL = 0.8  # issue 12: ring throughput / built-in's, from GOAL_FROM floats on
 GOAL_FROM = 10**6
 WORLD = 2
+WORLDS = (2, 4)  # the worlds of the other collectives; hierarchical: 2 nodes of 2 at 4
+LOCAL_SIZE = 2  # ranks per "node" of the hierarchical all-reduce
 RANK = 4  # PowerSGD's rank, both implementations
 RATIO = 0.01  # TopK's and RandomK's fraction of entries
 
@@ -165,6 +181,110 @@ def all_reduce_rows(sizes: list[int], repeats: int, warmup: int) -> list[ReduceR
             + "  ring throughput x built-in "
             + f"{ratio['ring'][1]:.2f}"
         )
+    return rows
+
+
+# --- the other collectives, worlds 2 and 4 -----------------------------------------------------
+
+
+def collectives(world_size: int) -> dict[str, tuple[str, Callable]]:
+    """name -> (the name of its reference, ``fn(output, input)``) for every collective of
+    the second table in a world of ``world_size``: the library's all-to-all against
+    ``dist.all_to_all_single`` (``output`` receives), each other all-reduce against
+    ``dist.all_reduce`` (in place on ``input``). The hierarchical all-reduce needs nodes of
+    :data:`LOCAL_SIZE` ranks and at least two of them."""
+    fns = {
+        "built-in all_to_all_single": ("built-in all_to_all_single", dist.all_to_all_single),
+        "all_to_all": ("built-in all_to_all_single", all_to_all),
+        "built-in all_reduce": ("built-in all_reduce", lambda out, x: dist.all_reduce(x)),
+        "rabenseifner": ("built-in all_reduce", lambda out, x: rabenseifner_all_reduce(x)),
+        "binary tree": ("built-in all_reduce", lambda out, x: binary_tree_all_reduce(x)),
+    }
+    if world_size % LOCAL_SIZE == 0 and world_size > LOCAL_SIZE:
+        fns[f"hierarchical ({world_size // LOCAL_SIZE} nodes of {LOCAL_SIZE})"] = (
+            "built-in all_reduce",
+            lambda out, x: hierarchical_all_reduce(x, LOCAL_SIZE),
+        )
+    return fns
+
+
+def collectives_worker(rank: int, world_size: int, sizes: list[int], repeats: int, warmup: int):
+    """One rank: for each size (cut to a multiple of the world, which the all-to-all
+    splits evenly), every collective of :func:`collectives` in rounds, after checking each
+    against its reference's answer (a fast wrong answer is no result). Per size, the wall
+    and the CPU seconds (:func:`world_compare`) of each call."""
+    fns = collectives(world_size)
+    out = {}
+    for size in sizes:
+        n = size - size % world_size
+        x, output = torch.empty(n), torch.empty(n)
+
+        def reset(x=x, n=n):
+            # every rank's entries differ, so a misplaced block shows; small integers, so
+            # every order of summation gives the same float32 sum
+            torch.arange(n, out=x).remainder_(1024).mul_(world_size).add_(rank)
+
+        answers = {}
+        for name, (reference, fn) in fns.items():
+            reset()
+            output.zero_()
+            fn(output, x)
+            answers[name] = (output if "all_to_all" in reference else x).clone()
+        for name, (reference, _) in fns.items():
+            if not torch.equal(answers[name], answers[reference]):
+                raise AssertionError(f"{name} of {n} floats at world {world_size} is wrong")
+        calls = {name: (lambda fn=fn, x=x, o=output: fn(o, x)) for name, (_, fn) in fns.items()}
+        cpu: dict[str, list[float]] = {}
+        wall = world_compare(calls, repeats, warmup, setup=reset, cpu=cpu)
+        out[n] = (wall, cpu)
+    return out
+
+
+@dataclass
+class CollectiveRow:
+    world: int
+    n: int
+    name: str
+    reference: str
+    ms: float  # median
+    best_ms: float  # minimum
+    reference_ms: float  # the reference's median
+    cpu_ms: float  # median CPU time of the slower rank's process, all its threads
+    ratio: tuple[float, float, float]  # reference / ours per round: q1, median, q3
+    repeats: int
+
+
+def collective_rows(
+    sizes: list[int], repeats: int, warmup: int, worlds=WORLDS
+) -> list[CollectiveRow]:
+    from benchmarks.communication import collectives_worker as worker  # see all_reduce_rows
+
+    rows = []
+    for world in worlds:
+        per_rank = spawn(worker, world, list(sizes), repeats, warmup)
+        for n, (times, cpu) in per_rank[0].items():  # every rank holds the same maxima
+            for name, (reference, _) in collectives(world).items():
+                if name == reference:
+                    continue
+                ref = times[reference]
+                rows.append(
+                    CollectiveRow(
+                        world,
+                        n,
+                        name,
+                        reference,
+                        1e3 * statistics.median(times[name]),
+                        1e3 * min(times[name]),
+                        1e3 * statistics.median(ref),
+                        1e3 * statistics.median(cpu[name]),
+                        quartiles([b / a for a, b in zip(times[name], ref, strict=True)]),
+                        repeats,
+                    )
+                )
+                log(
+                    f"  world {world} {n:>10,} floats: {name:<28} {rows[-1].ms:8.2f} ms, "
+                    f"x {reference}: {rows[-1].ratio[1]:.2f}"
+                )
     return rows
 
 
@@ -283,6 +403,7 @@ def table(
     header: list[str],
     side: int,
     codec_repeats: int,
+    collective_rows: list[CollectiveRow] = (),
 ) -> str:
     out = ["# Communication: all-reduce and gradient compression", ""] + header
     out += [
@@ -313,6 +434,33 @@ def table(
             f"| {gbs['ring']:.2f} | {gbs['built-in']:.2f} | {goal} "
             f"| {r.cpu_ms['ring']:.2f} | {r.cpu_ms['built-in']:.2f} | {r.repeats} |"
         )
+    if collective_rows:
+        out += [
+            "",
+            f"## All-to-all and the other all-reduces, worlds {' and '.join(map(str, WORLDS))} "
+            "(gloo), float32",
+            "",
+            "The library's pairwise all-to-all against `dist.all_to_all_single`, and its "
+            "Rabenseifner (recursive halving, then doubling), binomial-tree and hierarchical "
+            f"(nodes of {LOCAL_SIZE} ranks: a ring within each node, a ring across nodes) "
+            "all-reduces against `dist.all_reduce`, each collective of a world called in "
+            "rounds with its reference. ms: median [minimum] of the slower rank's wall-clock "
+            "time per call, after a barrier. × reference: throughput against the reference, "
+            "i.e. its time / ours per round (median [IQR]). CPU ms: as above. A world of 4 "
+            "has more processes than this machine has cores: each rank waits for a core as "
+            "well as for its peers.",
+            "",
+            "| world | floats | collective | ms | reference | reference ms "
+            "| × reference [IQR] | CPU ms | rounds |",
+            "|---:|---:|---|---:|---|---:|---:|---:|---:|",
+        ]
+        for r in collective_rows:
+            q1, med, q3 = r.ratio
+            out.append(
+                f"| {r.world} | {r.n:.0e} | {r.name} | {r.ms:.2f} [{r.best_ms:.2f}] "
+                f"| {r.reference} | {r.reference_ms:.2f} | {med:.2f} [{q1:.2f}–{q3:.2f}] "
+                f"| {r.cpu_ms:.2f} | {r.repeats} |"
+            )
     out += [
         "",
         f"## Compression of a {side} x {side} float32 gradient ({side * side:,} entries)",
@@ -347,22 +495,38 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.communication", description=__doc__)
     parser.add_argument("--sizes", default="1e5,1e6,1e7", help="floats per all-reduce")
     parser.add_argument("--repeats", type=int, default=41, help="all-reduce rounds per size")
+    parser.add_argument(
+        "--world-repeats",
+        type=int,
+        default=15,
+        help="rounds per size of the all-to-all and the other all-reduces, worlds 2 and 4",
+    )
     parser.add_argument("--side", type=int, default=1024, help="the gradient is side x side")
     parser.add_argument("--codec-repeats", type=int, default=15, help="compression rounds")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--quick", action="store_true", help="small sizes, no file")
     parser.add_argument("--out", type=Path, default=None, help="where the table goes")
+    parser.add_argument(
+        "--note", default="", help="a line for the report's header (what else the machine ran)"
+    )
     add_device_options(parser)
     args = parser.parse_args(argv)
     try:
         args.sizes = parse_sizes(args.sizes)
     except ValueError as e:
         parser.error(str(e))
-    if min(args.repeats, args.codec_repeats) < 1 or args.warmup < 0 or args.side < 2 * RANK:
+    if (
+        min(args.repeats, args.world_repeats, args.codec_repeats) < 1
+        or args.warmup < 0
+        or args.side < 2 * RANK
+    ):
         parser.error(
-            f"Invalid --repeats {args.repeats}, --codec-repeats {args.codec_repeats}, "
-            f"--warmup {args.warmup} or --side {args.side} (>= 1, >= 1, >= 0, >= {2 * RANK})"
+            f"Invalid --repeats {args.repeats}, --world-repeats {args.world_repeats}, "
+            f"--codec-repeats {args.codec_repeats}, --warmup {args.warmup} or --side "
+            f"{args.side} (>= 1, >= 1, >= 1, >= 0, >= {2 * RANK})"
         )
+    if min(args.sizes) < max(WORLDS):
+        parser.error(f"Invalid --sizes {args.sizes} (expected >= {max(WORLDS)} floats each)")
     if args.device != "cpu":
         parser.error(f"Invalid --device {args.device!r} (this benchmark runs on cpu, gloo)")
     return parser, args
@@ -378,17 +542,25 @@ def main(argv: list[str] | None = None) -> str:
             3,
             1,
         )
+        args.world_repeats = 3
     device, timer, header = device_setup(parser, args)
     log("all-reduce:")
     reduce_rows = all_reduce_rows(args.sizes, args.repeats, args.warmup)
+    log("all-to-all and the other all-reduces:")
+    more_rows = collective_rows(args.sizes, args.world_repeats, args.warmup)
     log("compression:")
     codec_rows = compression_rows(args.side, args.codec_repeats, args.warmup, timer)
-    header = header[:-1] + [  # the all-reduce's clock is the wall clock, across processes
-        "- clock: all-reduce: wall clock of the slower rank; compression: "
-        + header[-1].removeprefix("- clock: "),
-        f"- all-reduce: {args.warmup} untimed rounds, then {args.repeats} per size",
-    ]
-    text = table(reduce_rows, codec_rows, header, args.side, args.codec_repeats)
+    header = (
+        header[:-1]
+        + [  # the all-reduce's clock is the wall clock, across processes
+            "- clock: all-reduce: wall clock of the slower rank; compression: "
+            + header[-1].removeprefix("- clock: "),
+            f"- all-reduce: {args.warmup} untimed rounds, then {args.repeats} per size; the other "
+            f"collectives: {args.world_repeats} per size",
+        ]
+        + ([f"- note: {args.note}"] if args.note else [])
+    )
+    text = table(reduce_rows, codec_rows, header, args.side, args.codec_repeats, more_rows)
     out = args.out or (None if args.quick else results_path(DEFAULT_OUT, device))
     write_report(text, out, log)
     return text

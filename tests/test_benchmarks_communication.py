@@ -53,14 +53,39 @@ def test_compression_rows_time_every_codec_against_its_reference():
 
 def test_quick_run_times_the_three_all_reduces_in_a_world_of_two(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(communication, "DEFAULT_OUT", tmp_path / "communication.md")
-    text = communication.main(["--quick"])
+    text = communication.main(["--quick", "--note", "the machine was shared"])
     assert not (tmp_path / "communication.md").exists()  # --quick writes no file
+    assert "\n- note: the machine was shared\n" in text
     assert "| 1e+03 |" in text and "| 1e+05 |" in text
     assert "ring × built-in" in text and "| SignSGD |" in text and "| torch fp16 hook |" in text
+    # the other collectives: a row for each at both worlds and sizes, hierarchical at 4 only
+    for world in communication.WORLDS:
+        for n in ("1e+03", "1e+05"):
+            for name in ("all_to_all", "rabenseifner", "binary tree"):
+                assert f"| {world} | {n} | {name} |" in text, (world, n, name)
+    assert text.count("| hierarchical (2 nodes of 2) |") == 2
+    assert "| 4 | 1e+05 | hierarchical (2 nodes of 2) | " in text
+    assert "| 2 | 1e+03 | hierarchical" not in text
+
+
+def test_the_other_collectives_are_checked_against_their_references():
+    fns = communication.collectives(4)
+    assert {ref for ref, _ in fns.values()} == {"built-in all_to_all_single", "built-in all_reduce"}
+    assert fns["all_to_all"][0] == "built-in all_to_all_single"
+    assert fns["hierarchical (2 nodes of 2)"][0] == "built-in all_reduce"
+    assert not any(name.startswith("hierarchical") for name in communication.collectives(2))
 
 
 @pytest.mark.parametrize(
-    "argv", [["--sizes", "1"], ["--sizes", "x"], ["--repeats", "0"], ["--side", "4"]]
+    "argv",
+    [
+        ["--sizes", "1"],
+        ["--sizes", "3"],  # fewer floats than the world of 4
+        ["--sizes", "x"],
+        ["--repeats", "0"],
+        ["--world-repeats", "0"],
+        ["--side", "4"],
+    ],
 )
 def test_bad_options(argv, capsys):
     with pytest.raises(SystemExit):

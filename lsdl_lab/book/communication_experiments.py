@@ -18,6 +18,8 @@ lists, dicts), the same on every rank unless it says otherwise::
 * :func:`local_sgd_run`: local SGD at several averaging periods;
 * :func:`overlap_run`: the overlap of the gradients' all-reduce with the backward pass, on
   a model many DDP buckets long, at several bucket sizes, with the buckets counted;
+* :func:`overlap_timeline`: the timeline of one DDP step recorded by ``torch.profiler``:
+  each rank's backward, each bucket's all-reduce, the communication hidden and exposed;
 * :func:`model_parallel_run`: a tensor-parallel transformer block against the dense one,
   and a pipeline's measured bubble against (p - 1)/(m + p - 1).
 
@@ -35,8 +37,10 @@ and evaluation sets that these workers pick are capped here; nothing changes out
 from __future__ import annotations
 
 import copy
+import json
 import os
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -46,9 +50,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from .. import models
-from .._util import NO_BUFFER_SYNC, check_int, eval_mode
+from .._util import NO_BUFFER_SYNC, check_int, check_positive, eval_mode
 from ..compress import (
     QSGD,
     ErrorFeedback,
@@ -87,6 +92,7 @@ __all__ = [
     "digits_resnet",
     "local_sgd_run",
     "overlap_run",
+    "overlap_timeline",
     "least_squares_gradient",
     "least_squares_loss",
     "model_parallel_run",
@@ -521,6 +527,158 @@ def overlap_run(
         "seconds": seconds,
         "buckets": buckets,
         "gradient_bytes": 4 * sum(p.numel() for p in make().parameters()),
+        "cores": _cores(),
+    }
+
+
+# The names under which a CPU profile of a gloo world records an all-reduce: the call on
+# the main thread that hands it to gloo (c10d's operator), and gloo's run of it on one of
+# its own threads. The autograd engine records each node it runs (a layer's backward, the
+# accumulation of a gradient with DDP's hook on it) as one event of the third name's
+# prefix, on the thread that called backward() (found by running it: torch 2.9 and 2.13).
+ISSUE_EVENT, RUN_EVENT = "c10d::allreduce_", "gloo:all_reduce"
+BACKWARD_EVENT = "autograd::engine::evaluate_function"
+
+
+def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``intervals`` as disjoint (start, end) pairs, in order."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _within(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """The length of the union of ``intervals`` between ``lo`` and ``hi``."""
+    return sum(max(0.0, min(end, hi) - max(start, lo)) for start, end in _merged(intervals))
+
+
+def _trace_events(prof) -> list[dict]:
+    """The complete events ("ph": "X") of ``prof``'s Chrome trace: name, thread ("tid"),
+    start ("ts") and duration ("dur") in microseconds. (Reading the trace takes a fraction of
+    a second; ``prof.events()`` builds a Python object per event: 5 s for 15 steps here.)"""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def _step_timeline(events: list[dict], step: dict) -> dict:
+    """The timeline of one profiled ``step`` (the trace event of the record_function around
+    it) in seconds from its start: see :func:`overlap_timeline`. An event belongs to the
+    step when it starts within it (gloo may close its event just after the step ends)."""
+    t0, t1 = step["ts"], step["ts"] + step["dur"]
+
+    def seconds(e: dict) -> tuple[float, float]:
+        return (e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6
+
+    mine = [e for e in events if t0 <= e["ts"] <= t1 and e is not step]
+    main = [e for e in mine if e["tid"] == step["tid"]]
+    forward = next(seconds(e) for e in main if e["name"] == "forward")
+    backward = sorted(seconds(e) for e in main if e["name"].startswith(BACKWARD_EVENT))
+    runs = sorted(seconds(e) for e in mine if e["name"] == RUN_EVENT)
+    issued = sorted(seconds(e)[0] for e in main if e["name"] == ISSUE_EVENT)
+    step_s, backward_end = (t1 - t0) / 1e6, max(end for _, end in backward)
+    return {
+        "step": step_s,
+        "forward": forward,
+        "backward": _merged(backward),
+        "backward_end": backward_end,
+        "all_reduce": runs,
+        "issued": issued,
+        "hidden": _within(runs, 0.0, backward_end),
+        "exposed": step_s - backward_end,
+    }
+
+
+def overlap_timeline(
+    rank,
+    world_size,
+    bucket_cap_mb: float = 1.0,
+    make_model: Callable[[], nn.Module] = deep_mlp,
+    rows: int = 16,
+    repeats: int = 5,
+    seed: int = 0,
+) -> dict:
+    """The timeline of one training step (forward and backward) of ``make_model()`` (by
+    default :func:`deep_mlp`), recorded on each rank by ``torch.profiler``, in three
+    configurations: ``"no all-reduce"``, the model alone; ``"one bucket"``, DDP with its
+    cap of 25 MiB above the whole gradient, whose one all-reduce cannot start before the
+    backward ends; and ``"bucket <cap> MB"``, DDP with buckets of ``bucket_cap_mb`` MiB,
+    each all-reduced as soon as the backward has filled it.
+
+    The three take turns for ``repeats`` profiled steps each (after two unprofiled ones),
+    every step after a barrier. ``"timeline"``: for each configuration, this rank's part of
+    the step of median length (the slowest rank's), in seconds from the step's start on
+    this rank: ``forward``, (start, end); ``backward``, the intervals in which the autograd
+    engine ran its nodes; ``backward_end``, the end of the last node; ``all_reduce``, each
+    bucket's all-reduce as gloo's thread ran it, (start, end), waiting for the peer
+    included; ``issued``, when the main thread handed each to gloo; ``hidden``, the
+    all-reduces' time (their union) before the backward's end; ``exposed``, the step's time
+    after the backward's end, which it spends waiting for the communication; ``step``.
+    ``"hidden"``: the median over the repeats of this rank's hidden time. ``"world"`` (the
+    same on every rank): the medians over the repeats of the slowest rank's ``step`` and
+    ``backward_end`` and of their difference, ``exposed``: what the world waits after the
+    last backward has ended. ``"cores"``: the CPU cores this rank may run on.
+    """
+    repeats = capped_steps(check_int("repeats", repeats, 1))  # capped in a dry run only
+    check_positive("bucket_cap_mb", bucket_cap_mb)
+    rows = capped_examples(rows)
+    x, y, _, _ = _digits(seed)
+    xb, yb = _shard(x, y, 0, rows * world_size, rank, world_size)
+    caps = {
+        "no all-reduce": None,
+        "one bucket": 25.0,
+        f"bucket {bucket_cap_mb:g} MB": bucket_cap_mb,
+    }
+    models = {}
+    for name, cap in caps.items():
+        torch.manual_seed(seed)
+        model = make_model()
+        models[name] = model if cap is None else DistributedDataParallel(model, bucket_cap_mb=cap)
+
+    def step(model: nn.Module) -> None:
+        with record_function("forward"):
+            loss = nn.functional.cross_entropy(model(xb), yb)
+        loss.backward()  # under DDP, returns when the last bucket is all-reduced
+
+    for model in models.values():
+        for _ in range(2):  # DDP rebuilds its buckets after the first step
+            step(model)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(repeats):
+            for name, model in models.items():  # interleaved: load on the machine hits all
+                dist.barrier()
+                with record_function(f"{name} #{i}"):
+                    step(model)
+    events = _trace_events(prof)
+    steps = {
+        name: [_step_timeline(events, e) for e in events if e["name"].startswith(f"{name} #")]
+        for name in caps
+    }
+    ends = torch.tensor(
+        [[[s["step"], s["backward_end"]] for s in steps[name]] for name in caps],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(ends, op=dist.ReduceOp.MAX)  # the slowest rank's, step by step
+    world = {
+        name: {
+            "step": ends[j, :, 0].median().item(),
+            "backward_end": ends[j, :, 1].median().item(),
+            "exposed": (ends[j, :, 0] - ends[j, :, 1]).median().item(),
+        }
+        for j, name in enumerate(caps)
+    }
+    # the same step on every rank: the one whose slowest rank's time is the median
+    median = {name: ends[j, :, 0].argsort()[repeats // 2].item() for j, name in enumerate(caps)}
+    return {
+        "timeline": {name: s[median[name]] for name, s in steps.items()},
+        "hidden": {name: statistics.median(t["hidden"] for t in s) for name, s in steps.items()},
+        "world": world,
         "cores": _cores(),
     }
 

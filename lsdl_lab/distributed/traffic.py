@@ -22,6 +22,8 @@ counts one byte an entry):
 | ``all_gather(tensor_list, tensor)`` | ``tensor``, this rank's contribution (not the list) |
 | ``all_gather_single(output, input)`` (the flat all-gather) | ``input``, this rank's shard |
 | ``reduce_scatter_single(output, input)`` (the flat reduce-scatter) | ``input``, all of it |
+| ``all_to_all_single(output, input)`` | ``input``, all of it (this rank's own block too) |
+| ``all_to_all(output_list, input_list)`` | every tensor of ``input_list`` |
 
 (The flat forms are ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` before torch
 2.13.)
@@ -38,11 +40,14 @@ those attributes to counting wrappers and restores torch's functions when the la
 block closes. That covers DDP's Python communication hooks (torch's
 ``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``powerSGD_hook`` and the hooks
 of :mod:`lsdl_lab.compress`), :class:`~lsdl_lab.memory.ZeroOptimizer`, FSDP2 and the
-library's collectives. It does not see what C++ calls: DDP's built-in reducer (register
-``default_hooks.allreduce_hook`` to count DDP's all-reduces, as :mod:`lsdl_lab.run`
-does), the broadcast of DDP's constructor, a compiled graph's collectives; nor
-point-to-point messages (``send``, ``recv``), nor a caller that bound the function to a
-name of its own before the block opened (``from torch.distributed import all_reduce``).
+library's code that calls them (the tensor-parallel layers, for one). It does not see
+what C++ calls: DDP's built-in reducer (register ``default_hooks.allreduce_hook`` to count
+DDP's all-reduces, as :mod:`lsdl_lab.run` does), the broadcast of DDP's constructor, a
+compiled graph's collectives; nor point-to-point messages (``send``, ``recv``): the
+library's collectives built from them (:mod:`lsdl_lab.distributed.collectives`: the ring,
+the trees, the all-to-all) are counted by :class:`SentMessages`; nor a caller that bound
+the function to a name of its own before the block opened
+(``from torch.distributed import all_reduce``).
 Where torch 2.13 has both names of a flat collective, both are counted: the deprecated one
 calls the new one inside torch, past the wrapper, so a call counts once either way.
 
@@ -86,6 +91,8 @@ _INPUTS = {
     "all_gather_into_tensor": (1, "input_tensor"),
     "reduce_scatter_single": (1, "input"),
     "reduce_scatter_tensor": (1, "input"),
+    "all_to_all_single": (1, "input"),
+    "all_to_all": (1, "input_tensor_list"),  # a list: all of its tensors
 }
 COUNTED = tuple(name for name in _INPUTS if hasattr(dist, name))
 """The names of the ``torch.distributed`` functions a counter sees, on this torch."""
@@ -100,8 +107,9 @@ def _counting(name: str, fn):
 
     @functools.wraps(fn)
     def counted(*args, **kwargs):
-        tensor = args[position] if len(args) > position else kwargs[keyword]
-        nbytes = tensor.numel() * tensor.element_size()
+        handed = args[position] if len(args) > position else kwargs[keyword]
+        tensors = handed if isinstance(handed, list | tuple) else [handed]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
         for counter in tuple(_open):
             counter.bytes += nbytes
         return fn(*args, **kwargs)

@@ -41,6 +41,9 @@ def results():
         functools.partial(
             E.overlap_run, bucket_caps_mb=(0.01, 25.0), make_model=DEEP, rows=4, repeats=1
         ),
+        functools.partial(
+            E.overlap_timeline, bucket_cap_mb=0.01, make_model=DEEP, rows=4, repeats=3
+        ),
     ]
     return spawn(call_each, 2, runs, timeout=120)
 
@@ -104,6 +107,55 @@ def test_overlap_on_a_model_many_buckets_long(results):
     layers = sum(1 for q in model.parameters() if q.dim() == 2)
     assert ov["buckets"][25.0] == 1 and layers - 1 <= ov["buckets"][0.01] <= layers
     assert ov["cores"] >= 1
+
+
+def test_overlap_timeline_from_the_profilers_trace(results):
+    timelines = [results[rank][7] for rank in (0, 1)]
+    configs = ["no all-reduce", "one bucket", "bucket 0.01 MB"]
+    assert timelines[0]["world"] == timelines[1]["world"]  # the slowest rank's, on both
+    layers = sum(1 for q in DEEP().parameters() if q.dim() == 2)
+    for tl in timelines:
+        assert list(tl["timeline"]) == list(tl["hidden"]) == list(tl["world"]) == configs
+        steps = tl["timeline"]
+        # an all-reduce a bucket, each issued on the main thread and run on gloo's: none
+        # without DDP, one for one bucket, one a layer at the small cap (as overlap_run)
+        n = {name: len(t["all_reduce"]) for name, t in steps.items()}
+        assert n["no all-reduce"] == 0 and n["one bucket"] == 1
+        assert layers - 1 <= n["bucket 0.01 MB"] <= layers
+        for name, t in steps.items():
+            assert len(t["issued"]) == n[name]
+            f0, f1 = t["forward"]
+            assert 0 <= f0 < f1 <= t["backward"][0][0] < t["backward_end"] <= t["step"]
+            # the backward's nodes, merged: disjoint and in order, the last ending it
+            ends = [x for pair in t["backward"] for x in pair]
+            assert ends == sorted(ends) and ends[-1] == t["backward_end"]
+            for a, b in t["all_reduce"]:
+                assert f1 <= a <= b  # gloo may close its event just after the step
+            assert [a for a, _ in t["all_reduce"]] == sorted(a for a, _ in t["all_reduce"])
+            assert t["exposed"] == pytest.approx(t["step"] - t["backward_end"])
+            busy = sum(b - a for a, b in t["all_reduce"])
+            assert 0 <= t["hidden"] <= min(busy, t["backward_end"]) + 1e-9
+        assert steps["no all-reduce"]["hidden"] == tl["hidden"]["no all-reduce"] == 0
+        # each rank issues its first small bucket while its backward still runs
+        small = steps["bucket 0.01 MB"]
+        assert small["issued"][0] < small["backward_end"]
+        for w in tl["world"].values():
+            assert w["step"] >= w["backward_end"] > 0
+            assert w["exposed"] >= 0
+        assert tl["cores"] >= 1
+
+
+def test_intervals_merge_and_clip():
+    assert E._merged([(3, 4), (0, 1), (0.5, 2), (2, 2.5)]) == [(0, 2.5), (3, 4)]
+    assert E._within([(0, 1), (0.5, 2), (3, 5)], 1.5, 4) == pytest.approx(0.5 + 1)
+    assert E._within([], 0, 1) == 0 and E._within([(2, 3)], 0, 1) == 0
+
+
+def test_overlap_timeline_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        E.overlap_timeline(0, 1, bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="repeats"):
+        E.overlap_timeline(0, 1, repeats=0)
 
 
 def test_model_parallel(results):

@@ -39,6 +39,15 @@ def test_every_collective_counts_the_bytes_this_rank_hands_it(ranks):
         assert counts["all_gather gathers"] == [0.0, 1.0]
         assert all(counts[name + " gathers"] == [0.0, 1.0] for name in gathers)
         assert all(counts[name + " sums"] for name in scatters)
+        # all-to-all: the whole input, this rank's own block included, once a call
+        assert counts["all_to_all_single"] == 4 * W * N
+        assert counts["all_to_all_single moves"]
+        if "all_to_all" in counts:  # the list form, where gloo has it
+            assert counts["all_to_all"] == 4 * W * N
+            assert counts["all_to_all moves"]
+        # the library's, from point-to-point messages: W - 1 blocks sent, none collective
+        assert counts["library all_to_all"] == (0, 4 * (W - 1) * N, [N] * (W - 1))
+        assert counts["library all_to_all moves"]
 
 
 def test_nothing_is_counted_outside_a_block_and_blocks_nest(ranks):
@@ -54,7 +63,8 @@ def test_nothing_is_counted_outside_a_block_and_blocks_nest(ranks):
 
 
 def test_the_collectives_it_sees():
-    assert {"all_reduce", "broadcast", "all_gather"} <= set(COUNTED)
+    assert {"all_reduce", "broadcast", "all_gather", "all_to_all_single"} <= set(COUNTED)
+    assert "all_to_all" in COUNTED  # the list form (which gloo runs on torch 2.13, not 2.9)
     # every name this torch has for the flat forms (2.13 has both, the older one deprecated)
     flat = worker.FLAT_GATHERS + worker.FLAT_SCATTERS
     assert [n for n in flat if hasattr(dist, n)] == [n for n in flat if n in COUNTED]

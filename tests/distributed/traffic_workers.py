@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from lsdl_lab.distributed import CollectiveBytes
-from lsdl_lab.distributed.traffic import COUNTED
+from lsdl_lab.distributed.collectives import all_to_all
+from lsdl_lab.distributed.traffic import COUNTED, SentMessages
 
 N = 1000  # entries this rank hands to each collective (a world's worth for reduce-scatter)
 FLAT_GATHERS = ("all_gather_single", "all_gather_into_tensor")
@@ -54,6 +55,26 @@ def every_collective(rank, world_size) -> dict:
             output = torch.empty(N)
             out[name] = _counted(name, output, torch.ones(w * N))
             out[name + " sums"] = torch.equal(output, torch.full((N,), float(w)))
+    # all-to-all: block j of rank i's input (N entries, each i * w + j) goes to rank j
+    blocks = torch.arange(w).repeat_interleave(N).float() + rank * w
+    expected = (torch.arange(w) * w + rank).float().repeat_interleave(N)
+    output = torch.empty(w * N)
+    out["all_to_all_single"] = _counted("all_to_all_single", output, blocks)
+    out["all_to_all_single moves"] = torch.equal(output, expected)
+    outputs = [torch.empty(N) for _ in range(w)]
+    try:  # the list form: gloo runs it on torch 2.13; on 2.9 it raises
+        out["all_to_all"] = _counted("all_to_all", outputs, list(blocks.split(N)))
+        out["all_to_all moves"] = torch.equal(torch.cat(outputs), expected)
+    except RuntimeError as e:
+        if "does not support alltoall" not in str(e):
+            raise
+    # the library's all-to-all: point-to-point messages, which SentMessages counts (its
+    # own block stays here) and CollectiveBytes does not see
+    output = torch.empty(w * N)
+    with CollectiveBytes() as counter, SentMessages() as messages:
+        all_to_all(output, blocks)
+    out["library all_to_all"] = (counter.bytes, messages.bytes, messages.numels)
+    out["library all_to_all moves"] = torch.equal(output, expected)
     return out
 
 
