@@ -462,7 +462,7 @@ _WORLDS = (
     "worlds of processes on the CPU (gloo) at every profile: bound by communication and "
     "process start-up, which FLOPs do not predict"
 )
-NOT_COSTED = {"lab07": _WORLDS, "lab09": _WORLDS}
+NOT_COSTED = {"lab07": _WORLDS, "lab09": _WORLDS, "lab10": _WORLDS}
 
 
 def estimate() -> dict[str, list[Work]]:

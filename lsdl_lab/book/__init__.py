@@ -19,6 +19,9 @@ and this package may depend on any of it.
   take on them (Chapter 3, Lab 3).
 * :mod:`~lsdl_lab.book.races`: races of optimizers, loss against steps and wall-clock and
   the bytes of state each keeps (Chapter 6, Lab 6).
+* :mod:`~lsdl_lab.book.scaling_experiments`: the workers of Chapter 10 (all-to-all and the
+  all-reduces that scale, expert parallelism, sequence and context parallelism, DiLoCo).
+* :mod:`~lsdl_lab.book.scaling_lab`: the workers of Lab 10 that Chapter 10's do not cover.
 * :mod:`~lsdl_lab.book.widgets`: the optimizer explorer (ipywidgets) on a plain drawing
   function (Lab 3).
 
