@@ -19,7 +19,9 @@ report, ``benchmarks/results/cuda/gpu_check.md``:
   finite;
 - ``bench``: the optimizers on CUDA at 50M parameters (``benchmarks.compiled``: eager,
   compiled, torch's fused and foreach kernels, against the streaming bandwidth B*), alone
-  on the GPU after the rest, its table in ``benchmarks/results/cuda/compiled.md``.
+  on the GPU after the rest, its table in ``benchmarks/results/cuda/compiled.md``; on a
+  GPU of compute capability 8.9 or later, FP8 products (``torch._scaled_mm``) against bf16
+  ones (``benchmarks.fp8_matmul``, its table in ``benchmarks/results/cuda/fp8_matmul.md``).
 
 The first three run side by side (the machine's cores shared between them), the benchmark
 alone after them. Measured goal: at most 8 minutes on one H100-class GPU.
@@ -52,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import ROOT
+from benchmarks import ROOT, fp8_matmul
 from benchmarks.timing import log, machine_lines, write_report
 
 PARTS = ("notebooks", "tests", "entry", "bench")
@@ -249,7 +251,13 @@ def bench(timeout: float) -> list[Outcome]:
     command += ["50M", "--no-labs", "--no-cache", "--rows-minutes", f"{timeout / 60 * 0.7:.1f}"]
     outcome = run("bench", "optimizers at 50M on cuda", command, timeout)
     outcome.summary = "table: benchmarks/results/cuda/compiled.md"
-    return [outcome]
+    outcomes = [outcome]
+    if fp8_matmul.has_fp8_matmul(torch.device("cuda")):  # compute capability 8.9 or later
+        command = [sys.executable, "-m", "benchmarks.fp8_matmul"]
+        outcome = run("bench", "FP8 (torch._scaled_mm) against bf16 products", command, 120)
+        outcome.summary = "table: benchmarks/results/cuda/fp8_matmul.md"
+        outcomes.append(outcome)
+    return outcomes
 
 
 def report(outcomes: list[Outcome], head: list[str], seconds: float) -> str:
