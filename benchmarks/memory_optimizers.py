@@ -1,5 +1,6 @@
-"""Step time and state bytes of the memory-efficient optimizers (Adafactor, SM3) beside
-Adam, torch.optim's Adafactor and pytorch-optimizer's AdaFactor and SM3.
+"""Step time and state bytes of the memory-efficient optimizers (Adafactor, SM3, 8-bit
+Adam and AdamW) beside Adam, torch.optim's Adafactor and pytorch-optimizer's AdaFactor and
+SM3, and of the newer optimizers (Muon, SOAP, schedule-free AdamW) beside AdamW.
 
 Run from the repository root::
 
@@ -26,6 +27,16 @@ keeps its momentum buffer even at 0). The three Adafactors compute different var
 steps to rounding (``tests/optim/test_adafactor.py``), both SM3s bit for bit
 (``tests/optim/test_sm3.py``).
 
+``Adam8bit`` and ``AdamW8bit`` keep both moments of every tensor of at least
+``min_8bit_size`` numbers in 8 bits with a float32 scale per block (the rest in float32),
+beside torch.optim's float32 ``Adam`` and ``AdamW``. The newer optimizers are here for
+their state beside AdamW's: ``Muon`` on the groups of ``muon_param_groups`` (a momentum
+for each hidden matrix, AdamW's two moments for the rest; not on the ResNet, which has no
+hidden matrix), ``SOAP`` (Adam's moments, two Kronecker factors and their eigenbases per
+matrix), ``ScheduleFreeAdamW`` (z and the second moment: AdamW's bytes). Their times are
+medians, which leave out SOAP's eigenbasis refresh every ten steps; the rows of
+:mod:`benchmarks.optimizers` count it (the ratio of the means).
+
 Each lsdl_lab row has a ``foreach=False`` twin (the same update, one parameter at a time):
 on a CPU a model-sized pass streams from memory, while one tensor's passes stay in the
 cache, so past the cache's size the per-tensor loop can win (pytorch-optimizer's SM3 runs
@@ -41,7 +52,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import ROOT
-from benchmarks.optimizers import SIZES, describe, pytorch_optimizer
+from benchmarks.optimizers import SIZES, describe, load_note, pytorch_optimizer
 from benchmarks.timing import (
     add_device_options,
     compare,
@@ -67,25 +78,47 @@ def po(name: str):
     return getattr(module, name)
 
 
-# Groups of rows timed together, each row (label, factory of the optimizer from the
-# parameter list); the first row of a group is lsdl_lab's, the others its references.
+def muon(model: torch.nn.Module) -> optim.Muon:
+    """Muon on ``model``'s groups from :func:`lsdl_lab.optim.muon_param_groups`; ValueError
+    when the model has no hidden matrix (then Muon would be AdamW alone)."""
+    groups = optim.muon_param_groups(model)
+    if not any(group["use_muon"] for group in groups):
+        raise ValueError("no hidden matrix for Muon (convolution kernels are 4-D)")
+    return optim.Muon(groups)
+
+
+# Groups of rows timed together, each row (label, factory of the optimizer from the model);
+# the first row of a group is lsdl_lab's, the others its references.
 GROUPS: list[list[tuple[str, Callable]]] = [
-    [(BASELINE, lambda ps: optim.Adam(ps)),
-     ("lsdl_lab Adam foreach=False", lambda ps: optim.Adam(ps, foreach=False)),
-     ("torch.optim Adam", lambda ps: torch.optim.Adam(ps, foreach=True))],
-    [("lsdl_lab Adafactor", lambda ps: optim.Adafactor(ps)),
-     ("lsdl_lab Adafactor foreach=False", lambda ps: optim.Adafactor(ps, foreach=False)),
-     ("torch.optim Adafactor", lambda ps: torch.optim.Adafactor(ps, foreach=True)),
-     ("pytorch-optimizer AdaFactor", lambda ps: po("AdaFactor")(ps, betas=(None, 0.999)))],
-    [("lsdl_lab Adafactor beta1=0.9", lambda ps: optim.Adafactor(ps, beta1=0.9))],
-    [("lsdl_lab SM3", lambda ps: optim.SM3(ps)),
-     ("lsdl_lab SM3 foreach=False", lambda ps: optim.SM3(ps, foreach=False)),
-     ("pytorch-optimizer SM3", lambda ps: po("SM3")(ps, foreach=True))],
-    [("lsdl_lab SM3 momentum=0.9", lambda ps: optim.SM3(ps, momentum=0.9)),
+    [(BASELINE, lambda m: optim.Adam(m.parameters())),
+     ("lsdl_lab Adam foreach=False", lambda m: optim.Adam(m.parameters(), foreach=False)),
+     ("torch.optim Adam", lambda m: torch.optim.Adam(m.parameters(), foreach=True))],
+    [("lsdl_lab Adafactor", lambda m: optim.Adafactor(m.parameters())),
+     ("lsdl_lab Adafactor foreach=False", lambda m: optim.Adafactor(m.parameters(), foreach=False)),
+     ("torch.optim Adafactor", lambda m: torch.optim.Adafactor(m.parameters(), foreach=True)),
+     ("pytorch-optimizer AdaFactor",
+      lambda m: po("AdaFactor")(m.parameters(), betas=(None, 0.999)))],
+    [("lsdl_lab Adafactor beta1=0.9", lambda m: optim.Adafactor(m.parameters(), beta1=0.9))],
+    [("lsdl_lab SM3", lambda m: optim.SM3(m.parameters())),
+     ("lsdl_lab SM3 foreach=False", lambda m: optim.SM3(m.parameters(), foreach=False)),
+     ("pytorch-optimizer SM3", lambda m: po("SM3")(m.parameters(), foreach=True))],
+    [("lsdl_lab SM3 momentum=0.9", lambda m: optim.SM3(m.parameters(), momentum=0.9)),
      ("lsdl_lab SM3 momentum=0.9 foreach=False",
-      lambda ps: optim.SM3(ps, momentum=0.9, foreach=False)),
+      lambda m: optim.SM3(m.parameters(), momentum=0.9, foreach=False)),
      ("pytorch-optimizer SM3 momentum=0.9",
-      lambda ps: po("SM3")(ps, momentum=0.9, foreach=True))],
+      lambda m: po("SM3")(m.parameters(), momentum=0.9, foreach=True))],
+    [("lsdl_lab Adam8bit", lambda m: optim.Adam8bit(m.parameters())),
+     ("lsdl_lab Adam8bit foreach=False", lambda m: optim.Adam8bit(m.parameters(), foreach=False)),
+     ("torch.optim Adam", lambda m: torch.optim.Adam(m.parameters(), foreach=True))],
+    [("lsdl_lab AdamW8bit", lambda m: optim.AdamW8bit(m.parameters())),
+     ("torch.optim AdamW", lambda m: torch.optim.AdamW(m.parameters(), foreach=True))],
+    [("lsdl_lab Muon (muon_param_groups)", muon),
+     ("torch.optim AdamW", lambda m: torch.optim.AdamW(m.parameters(), foreach=True))],
+    [("lsdl_lab SOAP", lambda m: optim.SOAP(m.parameters())),
+     ("torch.optim AdamW", lambda m: torch.optim.AdamW(m.parameters(), foreach=True))],
+    [("lsdl_lab ScheduleFreeAdamW", lambda m: optim.ScheduleFreeAdamW(m.parameters())),
+     ("torch.optim AdamW weight_decay=0",
+      lambda m: torch.optim.AdamW(m.parameters(), weight_decay=0.0, foreach=True))],
 ]  # fmt: skip
 
 
@@ -95,7 +128,8 @@ def benchmark_size(
     """Time every group of rows on the model of ``size``; returns its description, the
     table's rows (label, Markdown cells) and the rows skipped (with why)."""
     torch.manual_seed(0)
-    params = list(SIZES[size][1]().to(device).parameters())
+    model = SIZES[size][1]().to(device)
+    params = list(model.parameters())
     header = describe(size, params)
     log(header)
     fixed = [torch.randn_like(p) for p in params]
@@ -108,9 +142,11 @@ def benchmark_size(
         opts = {}
         for label, make in group:
             try:
-                opts[label] = make(params)
-            except ImportError as e:
+                opts[label] = make(model)
+            except (ImportError, ValueError) as e:
                 skipped.append(f"{label}: skipped, {e}")
+        if group[0][0] not in opts:  # no lsdl_lab row: nothing to compare with
+            continue
         result = compare(
             {label: opt.step for label, opt in opts.items()},
             repeats=repeats,
@@ -179,6 +215,7 @@ def main(argv: list[str] | None = None) -> str:
     sections = [benchmark_size(s, args.repeats, args.warmup, device, timer, log) for s in sizes]
     head += [
         f"- load average at end: {load_average()}",
+        *load_note(),
         f"- timing: untimed warm-up rounds {args.warmup}, timed rounds {args.repeats}; each "
         "optimizer steps once per round, the first of a round rotating",
     ]

@@ -24,6 +24,16 @@ traffic), and pytorch-optimizer's ``LARS`` and ``Lamb`` with the settings that m
 two compute the same update (skipped, with a note, when ``pytorch_optimizer`` is not
 installed). ``--only LARS,LAMB`` times those rows alone.
 
+The optimizers of the book's newer sections, which torch.optim lacks (or has only in
+part), get a third table per size, against the torch.optim foreach step they replace
+(``beyond_configurations``): ``Muon`` on the groups of ``muon_param_groups`` (Newton-Schulz
+on the hidden matrices, AdamW on the rest; a model without hidden matrices, the ResNet, is
+skipped), ``SOAP``, ``ScheduleFreeAdamW`` and ``AdamW8bit`` against ``AdamW``, ``Adam8bit``
+against ``Adam``. Their ratio is the price of what they add (or save), not a gap to close;
+their state bytes are the point. Besides the medians the table gives the ratio of the
+means, which counts the steps that do more than the others: SOAP refreshes its eigenbases
+every ``precondition_frequency`` steps, so its rows time a whole number of such periods.
+
 On CUDA (``--device cuda``, the default where a GPU is present) the same rows run on the
 GPU and the clock is the wall clock after ``torch.cuda.synchronize()``; on CPU it is the
 CPU time of the benchmark's own thread (``--clock``; :func:`benchmarks.timing.device_timer`).
@@ -32,6 +42,7 @@ CPU time of the benchmark's own thread (``--clock``; :func:`benchmarks.timing.de
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -167,6 +178,41 @@ def layerwise_configurations() -> list[tuple[str, str, Callable]]:
     ]
 
 
+# The newer optimizers against the torch.optim step they replace: (label, reference,
+# period, make), ``make(model, params)`` returning the pair (lsdl_lab optimizer, reference)
+# or raising ValueError when the model has nothing for it; ``period``: the timed pairs are
+# a multiple of it, so that a step done once every ``period`` steps is counted in its
+# share. Defaults on both sides (AdamW's weight decay 0.01, as SOAP's and AdamW8bit's;
+# ScheduleFreeAdamW's is 0, its reference's too).
+SOAP_PERIOD = 10  # SOAP's precondition_frequency (its default)
+
+
+def beyond_configurations() -> list[tuple[str, str, int, Callable]]:
+    """(label, reference, period, make) of the rows of the optimizers torch.optim lacks."""
+    from lsdl_lab.optim import SOAP, Adam8bit, AdamW8bit, Muon, ScheduleFreeAdamW, muon_param_groups
+
+    def adamw(ps, **kwargs):
+        return torch.optim.AdamW(ps, foreach=True, **kwargs)
+
+    def muon(model):
+        groups = muon_param_groups(model)
+        if not any(group["use_muon"] for group in groups):
+            raise ValueError("no hidden matrix for Muon (convolution kernels are 4-D)")
+        return Muon(groups)
+
+    return [
+        ("Muon (muon_param_groups)", "torch.optim AdamW", 1,
+         lambda model, ps: (muon(model), adamw(ps))),
+        ("SOAP", "torch.optim AdamW", SOAP_PERIOD,
+         lambda model, ps: (SOAP(ps, precondition_frequency=SOAP_PERIOD), adamw(ps))),
+        ("ScheduleFreeAdamW", "torch.optim AdamW weight_decay=0", 1,
+         lambda model, ps: (ScheduleFreeAdamW(ps), adamw(ps, weight_decay=0.0))),
+        ("AdamW8bit", "torch.optim AdamW", 1, lambda model, ps: (AdamW8bit(ps), adamw(ps))),
+        ("Adam8bit", "torch.optim Adam", 1,
+         lambda model, ps: (Adam8bit(ps), torch.optim.Adam(ps, foreach=True))),
+    ]  # fmt: skip
+
+
 def optimizer_names() -> list[str]:
     """Names in ``lsdl_lab.optim.__all__`` that are optimizers torch.optim also has."""
     names = []
@@ -205,7 +251,9 @@ class Row:
     torch_bytes: float = float("nan")
     writes_grad: str = ""  # which implementation's step writes into p.grad, if any
     skipped: str = ""
-    reference: str = ""  # set for the LARS and LAMB rows: what lsdl_lab is compared with
+    reference: str = ""  # what lsdl_lab is compared with, where not its torch.optim namesake
+    beyond: bool = False  # a row of the optimizers torch.optim lacks
+    mean_ratio: float = float("nan")  # mean lsdl_lab / mean reference
 
 
 def describe(size: str, params: list[torch.Tensor]) -> str:
@@ -230,10 +278,11 @@ def time_pair(
     warmup: int,
     reference: str = "torch",
     timer: Callable[[], float] = time.perf_counter,
+    period: int = 1,
 ) -> None:
     """Warm both optimizers up, then time their steps in alternation into ``row``;
     ``steps`` holds ``lsdl_lab`` and ``reference``; ``timer`` is the clock
-    (:func:`benchmarks.timing.device_timer`)."""
+    (:func:`benchmarks.timing.device_timer`); the pairs are a multiple of ``period``."""
 
     def restore_grads():
         torch._foreach_copy_(grads, fixed)
@@ -250,11 +299,15 @@ def time_pair(
     row.writes_grad = " and ".join(writers)
     restore_grads()
     row.pairs = repeats or int(min(max(budget / per_round, MIN_PAIRS), MAX_PAIRS))
+    row.pairs = -(-row.pairs // period) * period
     setup = restore_grads if row.writes_grad else None
     result = compare(steps, repeats=row.pairs, warmup=0, setup=setup, timer=timer)
     row.ours_ms = 1e3 * result.median("lsdl_lab")
     row.torch_ms = 1e3 * result.median(reference)
     row.ratio = result.ratio("lsdl_lab", reference)
+    row.mean_ratio = statistics.fmean(result.times["lsdl_lab"]) / statistics.fmean(
+        result.times[reference]
+    )
     row.ratio_q1, row.pair_median, row.ratio_q3 = quartiles(result.ratios("lsdl_lab", reference))
 
 
@@ -282,7 +335,8 @@ def benchmark_size(
     optimizers named in ``only``, when given); returns its description and rows."""
     torch.manual_seed(0)
     timer = timer or device_timer(device)
-    params = list(SIZES[size][1]().to(device).parameters())  # tied weights once
+    model = SIZES[size][1]().to(device)
+    params = list(model.parameters())  # tied weights once
     header = describe(size, params)
     log(header)
     fixed = [torch.randn_like(p) for p in params]
@@ -332,7 +386,42 @@ def benchmark_size(
         log_row(row, log)
         for opt in (ours, theirs):
             opt.state.clear()
+    for label, reference, period, make in beyond_configurations():
+        if only is not None and label.split()[0] not in only:
+            continue
+        row = Row(label, reference=reference, beyond=True)
+        rows.append(row)
+        try:
+            ours, theirs = make(model, params)
+        except ValueError as e:
+            row.skipped = f"skipped: {e}"
+            log(f"  {label:<24}  vs {reference}: {row.skipped}")
+            continue
+        steps = {"lsdl_lab": ours.step, "reference": theirs.step}
+        time_pair(row, steps, grads, fixed, repeats, budget, warmup, "reference", timer, period)
+        row.ours_bytes = state_bytes_per_param(ours)
+        row.torch_bytes = state_bytes_per_param(theirs)
+        log_row(row, log)
+        for opt in (ours, theirs):
+            opt.state.clear()
     return header, rows
+
+
+def load_note() -> list[str]:
+    """A line for a results file's header when the machine was busy at the end of the run
+    (a 15-minute load average above its usable cores), or none."""
+    try:
+        load = os.getloadavg()[2]
+    except (AttributeError, OSError):
+        return []
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if load <= usable:
+        return []
+    return [
+        f"- **loaded machine**: a 15-minute load average of {load:.1f} on {usable} usable "
+        "cores: other jobs ran beside this one, so the ms are inflated and noisy; the "
+        "ratios of steps timed back to back, and their spread, are what to read"
+    ]
 
 
 def timing_line(repeats: int | None, budget: float, warmup: int) -> str:
@@ -400,7 +489,8 @@ def table(sections: list[tuple[str, list[Row]]], lines_machine: list[str]) -> st
                 f"† {who}: `step()` writes into `p.grad` (in place); the fixed gradients "
                 "are restored before every step of this row, untimed.",
             ]
-        out += layerwise_table([r for r in all_rows if r.reference])
+        out += layerwise_table([r for r in all_rows if r.reference and not r.beyond])
+        out += beyond_table([r for r in all_rows if r.beyond])
     if all_ratios:
         out += ["", "## Summary", ""]
         for size in dict.fromkeys(size for _, size, _ in all_ratios):
@@ -447,6 +537,36 @@ def layerwise_table(rows: list[Row]) -> list[str]:
     return out
 
 
+def beyond_table(rows: list[Row]) -> list[str]:
+    """The rows of the optimizers torch.optim lacks, against the step they replace (not in
+    the summary: different algorithms, so the goal does not apply)."""
+    if not rows:
+        return []
+    out = [
+        "",
+        "Optimizers torch.optim lacks, against the torch.optim foreach step they replace: "
+        "ratio = lsdl_lab / reference, the price of what each adds (Newton-Schulz on the "
+        "matrices, the eigenbasis, the average, the quantization), not a gap. ratio of "
+        "means: mean / mean, which counts the steps that do more (SOAP's eigenbasis "
+        f"refresh every {SOAP_PERIOD} steps: its pairs are a multiple of {SOAP_PERIOD}).",
+        "",
+        "| optimizer | reference | lsdl_lab ms | reference ms | ratio "
+        "| pair ratios: median [IQR] | ratio of means | pairs | B/param lsdl_lab "
+        "| B/param reference |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r.skipped:
+            out.append(f"| {r.label} | {r.reference} | | | | | | | | {r.skipped} |")
+            continue
+        out.append(
+            f"| {r.label} | {r.reference} | {r.ours_ms:.3f} | {r.torch_ms:.3f} "
+            f"| {r.ratio:.2f} | {r.pair_median:.2f} [{r.ratio_q1:.2f}–{r.ratio_q3:.2f}] "
+            f"| {r.mean_ratio:.2f} | {r.pairs} | {r.ours_bytes:.3f} | {r.torch_bytes:.3f} |"
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -484,9 +604,11 @@ def main(argv: list[str] | None = None) -> str:
     only = None
     if args.only is not None:
         only = {s.strip() for s in args.only.split(",") if s.strip()}
-        known = {name for _, name, _ in configurations()} | {
-            label for label, _, _ in layerwise_configurations()
-        }
+        known = (
+            {name for _, name, _ in configurations()}
+            | {label for label, _, _ in layerwise_configurations()}
+            | {label.split()[0] for label, _, _, _ in beyond_configurations()}
+        )
         if not only or only - known:
             parser.error(f"unknown --only {sorted(only - known)}; choose from {sorted(known)}")
     device, timer, head = device_setup(parser, args)
@@ -496,6 +618,7 @@ def main(argv: list[str] | None = None) -> str:
     ]
     head += [
         f"- load average at end: {load_average()}",
+        *load_note(),
         timing_line(args.repeats, args.budget, args.warmup),
     ]
     text = table(sections, head)

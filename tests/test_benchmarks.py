@@ -191,12 +191,66 @@ def test_quick_run_writes_a_table_with_every_optimizer(tmp_path, monkeypatch, ca
         assert text.count("skipped: pytorch_optimizer is not installed") == 2
     else:
         assert "skipped" not in text
+    # the optimizers torch.optim lacks, against the step they replace, with their state
+    beyond = beyond_rows(text)
+    assert set(beyond) == {label for label, *_ in optimizers.beyond_configurations()}
+    for label, reference, period, _ in optimizers.beyond_configurations():
+        row = beyond[label]
+        assert row["reference"] == reference
+        assert row["pairs"] % period == 0 and row["pairs"] >= 5, label
+        assert row["ratio"] > 0 and row["ratio of means"] > 0
+    gpt = optimizers.SIZES["tiny"][1]()
+    groups = lsdl_lab.optim.muon_param_groups(gpt)
+    n = sum(p.numel() for p in gpt.parameters())
+    # Muon: a momentum (4 B) per hidden-matrix number, AdamW's two moments (8 B) elsewhere
+    muon_bytes = sum(  # the groups hold (name, parameter) pairs
+        (4 if g["use_muon"] else 8) * p.numel() for g in groups for _, p in g["params"]
+    )
+    assert beyond["Muon (muon_param_groups)"]["B/param lsdl_lab"] == pytest.approx(
+        muon_bytes / n, abs=1e-3
+    )
+    assert beyond["ScheduleFreeAdamW"]["B/param lsdl_lab"] == 8.0  # z and v, no x
+    assert beyond["SOAP"]["B/param lsdl_lab"] > 8.0  # Adam's moments and the factors
+    for label in ("Adam8bit", "AdamW8bit"):  # 2 B + scales on large tensors, 8 B on small
+        assert 2.0 < beyond[label]["B/param lsdl_lab"] < 8.0, label
+    for row in beyond.values():  # torch.optim's AdamW and Adam, with their step tensors
+        assert row["B/param reference"] == pytest.approx(8.0, abs=0.01)
+
+
+def beyond_rows(text: str) -> dict[str, dict]:
+    """The rows of the table of optimizers torch.optim lacks, by label: reference, ratio,
+    ratio of means, pairs and state bytes per parameter (both sides)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if "| ratio of means |" in line)
+    names = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        cells = dict(zip(names, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        rows[cells["optimizer"]] = {
+            k: v if k in ("optimizer", "reference", "pair ratios: median [IQR]") else float(v)
+            for k, v in cells.items()
+        }
+    return rows
+
+
+def test_muon_needs_a_model_with_hidden_matrices():
+    # the ResNet's kernels are 4-D and its one matrix is the output layer: AdamW's alone
+    resnet = optimizers.SIZES["1M"][1]()
+    make = {label: m for label, _, _, m in optimizers.beyond_configurations()}
+    with pytest.raises(ValueError, match="no hidden matrix"):
+        make["Muon (muon_param_groups)"](resnet, list(resnet.parameters()))
 
 
 def test_only_times_the_named_optimizers(capsys):
     text = optimizers.main(["--quick", "--only", "LARS,LAMB", "--repeats", "2"])
     assert "| LARS " in text and "| LAMB " in text
     assert "| SGD " not in text and "| Adam " not in text and "## Summary" not in text
+    text = optimizers.main(["--quick", "--only", "SOAP,Muon", "--repeats", "3"])
+    assert set(beyond_rows(text)) == {"SOAP", "Muon (muon_param_groups)"}
+    assert beyond_rows(text)["SOAP"]["pairs"] == optimizers.SOAP_PERIOD  # 3, rounded up
+    assert "| Muon |" in text  # and the row against torch.optim.Muon, on the matrices
     with pytest.raises(SystemExit):
         optimizers.main(["--quick", "--only", "LION"])
 
@@ -207,3 +261,12 @@ def test_wall_clock_and_bad_device_options(capsys):
     for argv in (["--device", "cuda", "--clock", "thread"], ["--clock", "gpu"]):
         with pytest.raises(SystemExit):
             optimizers.main(["--quick", *argv])
+
+
+def test_a_loaded_machine_is_noted_in_the_header(monkeypatch):
+    monkeypatch.setattr(optimizers.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(optimizers.os, "getloadavg", lambda: (9.0, 8.0, 7.5))
+    (line,) = optimizers.load_note()
+    assert "loaded machine" in line and "7.5 on 2 usable cores" in line
+    monkeypatch.setattr(optimizers.os, "getloadavg", lambda: (3.0, 2.5, 1.5))
+    assert optimizers.load_note() == []  # a busy minute, an idle quarter of an hour

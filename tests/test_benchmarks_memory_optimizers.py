@@ -1,5 +1,6 @@
 """The memory-efficient optimizers' benchmark (``benchmarks/memory_optimizers.py``): its
-``--quick`` run end to end, every row present, and the state bytes it reports."""
+``--quick`` run end to end, every row present, and the state bytes it reports (8-bit
+moments, schedule-free AdamW's, Muon's and SOAP's beside AdamW's)."""
 
 import runpy
 import sys
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import memory_optimizers
-from benchmarks.optimizers import pytorch_optimizer
+from benchmarks.optimizers import SIZES, pytorch_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,6 +45,26 @@ def test_quick_run_writes_a_table_with_every_row(tmp_path, monkeypatch, capsys):
     # a first moment or momentum costs 4 bytes per parameter
     assert state["lsdl_lab Adafactor beta1=0.9"] == pytest.approx(state["lsdl_lab Adafactor"] + 4)
     assert state["lsdl_lab SM3 momentum=0.9"] == pytest.approx(state["lsdl_lab SM3"] + 4)
+    # 8-bit moments: 1 byte each and a float32 scale per block of 2,048 for the tensors of
+    # at least 4,096 numbers, float32 moments (8 B) for the smaller ones
+    gpt = SIZES["tiny"][1]()
+    sizes = [p.numel() for p in gpt.parameters()]
+    eight_bit = sum(2 * n + 2 * 4 * -(-n // 2048) for n in sizes if n >= 4096)
+    full = sum(8 * n for n in sizes if n < 4096)
+    for label in ("lsdl_lab Adam8bit", "lsdl_lab Adam8bit foreach=False", "lsdl_lab AdamW8bit"):
+        assert state[label] == pytest.approx((eight_bit + full) / sum(sizes), abs=1e-4), label
+    # schedule-free AdamW keeps z and v (x is never stored): AdamW's 8 bytes; Muon's
+    # momentum (4 B) on the hidden matrices and AdamW's elsewhere is less; SOAP more
+    assert state["lsdl_lab ScheduleFreeAdamW"] == pytest.approx(8.0)
+    assert 4.0 < state["lsdl_lab Muon (muon_param_groups)"] < 8.0
+    assert state["lsdl_lab SOAP"] > 8.0
+    assert state["torch.optim AdamW"] == pytest.approx(8.0, abs=0.01)
+
+
+def test_muon_is_skipped_on_a_model_without_hidden_matrices():
+    muon_row = next(group for group in memory_optimizers.GROUPS if "Muon" in group[0][0])
+    with pytest.raises(ValueError, match="no hidden matrix"):
+        muon_row[0][1](SIZES["1M"][1]())
 
 
 def test_bad_sizes_are_a_usage_error(capsys):
