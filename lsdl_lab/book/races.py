@@ -28,7 +28,8 @@ A run may follow a learning-rate schedule (a factor of the step, :mod:`lsdl_lab.
 applied by ``LambdaLR``), and an optimizer with two points, like
 :class:`~lsdl_lab.optim.ScheduleFreeAdamW`, is evaluated at its average (``eval()``, then
 ``train()`` again). :func:`modern_optimizers` holds the race of 2026 (AdamW, Muon, SOAP,
-Shampoo and schedule-free AdamW, each with its paper's hyperparameters), and
+Shampoo and schedule-free AdamW, each with its paper's hyperparameters; Muon on convolution
+kernels too, so that a ResNet races as a GPT does), and
 :func:`sweep` the short learning-rate sweep that gives AdamW its best one.
 """
 
@@ -364,12 +365,15 @@ def modern_optimizers(
     * ``"AdamW"``: ``adamw_lr``, ``betas`` and ``weight_decay`` (nanoGPT's and most
       language models' 0.9, 0.95 and 0.1);
     * ``"Muon"``: the same rate and decay (Liu et al.'s shape scaling makes AdamW's carry
-      over), momentum 0.95 with Nesterov and five Newton–Schulz steps (Jordan et al.); its
-      AdamW groups (:func:`~lsdl_lab.optim.muon_param_groups`) take ``betas``;
+      over), momentum 0.95 with Nesterov and five Newton–Schulz steps (Jordan et al.), on
+      the hidden matrices and the convolution kernels, viewed as out × (in·kh·kw) as in
+      Jordan et al.'s CIFAR-10 runs (:func:`~lsdl_lab.optim.muon_param_groups` with
+      ``conv=True``; a GPT has no kernels); its AdamW groups take ``betas``;
     * ``"SOAP"``: ``soap_lr``, and the authors' other defaults (``betas=(0.95, 0.95)``,
-      weight decay 0.01, eigenbases every 10 steps);
+      weight decay 0.01, eigenbases every 10 steps); a kernel gets a basis per dimension
+      (out, in, kh and kw: SOAP's merging of dimensions is not offered);
     * ``"Shampoo"``: Adagrad grafting at ``lr=0.03`` (the rate Lab 6 measured best for the
-      GPT), roots every 10 steps;
+      GPT), roots every 10 steps; a kernel gets a statistic and a root per dimension;
     * :data:`SCHEDULE_FREE`: ``adamw_lr`` with ``betas``, and the same ``warmup`` as its
       only schedule (Defazio et al.: a rate like the scheduled AdamW's).
 
@@ -381,8 +385,8 @@ def modern_optimizers(
     return {
         "AdamW": lambda m: optim.AdamW(m.parameters(), lr=adamw_lr, betas=betas,
                                        weight_decay=weight_decay),
-        "Muon": lambda m: optim.Muon(optim.muon_param_groups(m, betas=betas), lr=adamw_lr,
-                                     weight_decay=weight_decay),
+        "Muon": lambda m: optim.Muon(optim.muon_param_groups(m, conv=True, betas=betas),
+                                     lr=adamw_lr, weight_decay=weight_decay),
         "SOAP": lambda m: optim.SOAP(m.parameters(), lr=soap_lr),
         "Shampoo": lambda m: optim.Shampoo(m.parameters(), lr=0.03, update_freq=10),
         SCHEDULE_FREE: lambda m: optim.ScheduleFreeAdamW(m.parameters(), lr=adamw_lr,

@@ -42,8 +42,19 @@ Jordan et al. and Liu et al. train them with AdamW. A group with ``use_muon=Fals
 AdamW's arithmetic (:func:`~lsdl_lab.optim.pieces.adam_moments_`,
 :func:`~lsdl_lab.optim.pieces.adam_step_` and the other pieces of
 :class:`~lsdl_lab.optim.AdamW`, bit for bit torch.optim.AdamW); a group with
-``use_muon=True`` (the default) takes 2-D parameters only, and refuses any other by name.
-:func:`muon_param_groups` splits a model that way.
+``use_muon=True`` (the default) takes parameters of two dimensions or more, and refuses a
+vector or a scalar by name. :func:`muon_param_groups` splits a model that way.
+
+**Convolution kernels** (an opt-in: ``muon_param_groups(model, conv=True)``). A kernel of
+shape :math:`c_\text{out} \times c_\text{in} \times k_h \times k_w` is a linear map from
+the :math:`c_\text{in} k_h k_w` numbers of an input patch to the :math:`c_\text{out}`
+channels of an output pixel, so Muon orthogonalizes its update viewed as out ×
+(in·kh·kw), as Jordan et al.'s implementation flattens conv filters, and views the result
+back; the shape scaling is Liu et al.'s computed on that 2-D view,
+:math:`s(c_\text{out}, c_\text{in} k_h k_w)`. Every tensor of more than two dimensions is
+flattened that way (all but the first dimension), so a kernel's step equals, bit for bit,
+the step of the same numbers laid out as the matrix (tests/optim/test_muon.py). By default
+:func:`muon_param_groups` gives kernels to AdamW, as Liu et al. and torch.optim.Muon do.
 
 **The variant, and where it departs.** The momentum and the iteration are Jordan et al.'s
 reference and torch.optim.Muon's, operation for operation: an exponential average of the
@@ -54,9 +65,9 @@ bfloat16's resolution), the decay :math:`1 - \eta\lambda` with the unscaled lear
 With ``adjust_lr_fn`` and ``weight_decay`` given alike, the matrices' steps equal
 torch.optim.Muon's (tests/optim/test_muon.py). Departures: Liu et al.'s scaling is the
 default (torch's is Jordan et al.'s), ``weight_decay`` defaults to 0 (torch: 0.1),
-``momentum`` must lie in [0, 1) (torch accepts any :math:`\mu \ge 0`); and convolution
-kernels are AdamW's (Jordan et al.'s reference flattens them to matrices; torch.optim.Muon
-refuses them, as do groups with ``use_muon=True`` here).
+``momentum`` must lie in [0, 1) (torch accepts any :math:`\mu \ge 0`); and a group with
+``use_muon=True`` takes convolution kernels, flattened as above (torch.optim.Muon refuses
+them), though :func:`muon_param_groups` gives them to AdamW unless asked.
 
 **Cost** (exact, from :func:`newton_schulz`; counted by ``torch.utils.flop_counter`` in the
 tests). For an :math:`m \times n` matrix with :math:`m \le n` (after the transpose), each of
@@ -168,8 +179,9 @@ def check_coefficients(coefficients) -> tuple:
 
 
 class Muon(Optimizer):
-    r"""Muon for the groups with ``use_muon=True`` (the default; 2-D parameters only), AdamW
-    for those with ``use_muon=False`` (embeddings, the output layer, gains and biases:
+    r"""Muon for the groups with ``use_muon=True`` (the default; matrices, and kernels of more
+    dimensions viewed as out × (in·kh·kw): two dimensions or more), AdamW for those with
+    ``use_muon=False`` (embeddings, the output layer, gains and biases:
     :func:`muon_param_groups` makes the two groups).
 
     Muon's hyperparameters: ``momentum`` :math:`\mu \in [0, 1)`, ``nesterov``, ``ns_steps``
@@ -225,12 +237,15 @@ class Muon(Optimizer):
             )
         check_nonnegative("adamw_eps value", group["adamw_eps"])
         if check_bool("use_muon", group["use_muon"]):
-            for p in group.get("params", ()):
-                if p.ndim != 2:
+            params = group.get("params", ())  # none in the defaults
+            for name, p in zip(group.get("param_names") or [None] * len(params), params):
+                if p.ndim < 2:
+                    what = "a parameter" if name is None else f"the parameter {name!r}"
                     raise ValueError(
-                        f"Invalid params: a parameter of shape {tuple(p.shape)} in a group with "
-                        "use_muon=True (expected 2-D matrices only; give the others to AdamW "
-                        "in a group with use_muon=False, as muon_param_groups does)"
+                        f"Invalid params: {what} of shape {tuple(p.shape)} in a group with "
+                        "use_muon=True (expected two dimensions or more: a matrix, or a kernel "
+                        "viewed as out x rest; give vectors and scalars to AdamW in a group "
+                        "with use_muon=False, as muon_param_groups does)"
                     )
 
     def update(self, group, params, grads):
@@ -242,6 +257,9 @@ class Muon(Optimizer):
             D_t &= (1-\mu)\, G_t + \mu\, B_t \quad\text{(Nesterov; otherwise } D_t = B_t) \\
             W_{t-1} &\leftarrow (1 - \eta\lambda)\, W_{t-1} \\
             W_t &= W_{t-1} - \eta\, s(m, n)\, \mathrm{NS}_k(D_t)
+
+        with :math:`D_t` of a kernel viewed as the :math:`m \times n` matrix out × (in·kh·kw),
+        and :math:`\mathrm{NS}_k(D_t)` viewed back.
         """
         if not group["use_muon"]:
             self.adamw_update(group, params, grads)
@@ -253,10 +271,12 @@ class Muon(Optimizer):
         decoupled_weight_decay_(params, lr, lam)
         # one matrix at a time: the iteration is matrix products, which have no foreach form
         for W, D_W in zip(params, D):
+            D_W = D_W.flatten(1)  # a kernel as out x (in*kh*kw), as Jordan et al. flatten it
             O_W = newton_schulz(
                 D_W, group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"]
             )
-            add_scaled_([W], [O_W], -lr * shape_scale(W.shape, group["adjust_lr_fn"]))
+            scale = shape_scale(D_W.shape, group["adjust_lr_fn"])
+            add_scaled_([W], [O_W.reshape(W.shape)], -lr * scale)
 
     def adamw_update(self, group, params, grads):
         r"""AdamW's step (Loshchilov and Hutter, 2019), as :class:`~lsdl_lab.optim.AdamW`
@@ -281,6 +301,8 @@ class Muon(Optimizer):
 def muon_param_groups(
     model: nn.Module | Iterable[Tensor],
     adamw: Iterable[str | Tensor] = (),
+    *,
+    conv: bool = False,
     **adamw_options,
 ) -> list[dict]:
     """Parameter groups for :class:`Muon`: the hidden matrices in a group with
@@ -289,13 +311,16 @@ def muon_param_groups(
     layer (the model's last ``nn.Linear``; the GPT's is tied to its token embedding), every
     parameter that is not 2-D (biases, LayerNorm and BatchNorm gains, convolution kernels),
     and those ``adamw`` marks (by parameter, by name, or by the name of a module that holds
-    them).
+    them). With ``conv=True`` the parameters of more than two dimensions (convolution
+    kernels) go to Muon too, viewed as out × (in·kh·kw) (Jordan et al.'s CIFAR-10 runs);
+    the default, ``False``, is Liu et al.'s and torch.optim.Muon's split.
 
     ``model`` may also be a list of parameters or of (name, parameter) pairs (no modules):
     then only the number of dimensions and ``adamw``'s marks decide. Frozen parameters and
     empty groups are left out; named parameters stay named (torch.optim's ``param_names``),
     a module's tied ones once.
     """
+    conv = check_bool("conv", conv)
     marked = list(adamw)
     names = [x for x in marked if isinstance(x, str)]
     tensors = {id(x) for x in marked if isinstance(x, Tensor)}
@@ -310,7 +335,8 @@ def muon_param_groups(
 
     def to_adamw(name, p) -> bool:
         by_name = name is not None and any(name == x or name.startswith(x + ".") for x in names)
-        return p.ndim != 2 or id(p) in tensors or by_name
+        not_a_map = p.ndim < 2 or (p.ndim > 2 and not conv)
+        return not_a_map or id(p) in tensors or by_name
 
     def entry(name, p):
         return p if name is None else (name, p)

@@ -1,6 +1,7 @@
 """races: one fresh model per optimizer on the same batches; steps, seconds and state bytes
 recorded as the optimizers' own protocols require; schedules, schedule-free's evaluation at
-its average, the learning-rate sweep, and the race of 2026 with its state counted exactly."""
+its average, the learning-rate sweep, and the race of 2026, on a GPT and on a ResNet (Muon
+on its kernels), with its state counted exactly."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from lsdl_lab import optim
 from lsdl_lab.book import races
-from lsdl_lab.models import GPT
+from lsdl_lab.models import GPT, ResNet
 
 
 def data(device="cpu"):
@@ -233,3 +234,38 @@ def test_the_race_of_2026_on_a_small_gpt():
     assert runs["Shampoo"].state_bytes > 8 * N
     with pytest.raises(ValueError, match="adamw_lr"):
         races.modern_optimizers(0.0, 1e-3, 2)
+
+
+def test_the_race_of_2026_on_a_small_resnet_gives_muon_its_kernels():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 1, 8, 8, generator=g), torch.randint(3, (32,), generator=g)
+
+    def new_resnet():
+        torch.manual_seed(0)
+        return ResNet(depth=8, width=4, num_classes=3, in_channels=1)
+
+    def evaluate(model):
+        return F.cross_entropy(model(x), y).item()
+
+    result = races.modern_race(new_resnet, lambda t: (x, y), 8, F.cross_entropy, evaluate, 4,
+                               lrs=(1e-3, 1e-2))  # fmt: skip
+    runs = result.runs
+    start = evaluate(new_resnet())
+    for name, run in runs.items():
+        assert run.steps == 8 and not run.diverged and run.final_loss() < start, name
+    # Muon keeps one buffer for every kernel (conv=True), AdamW's two for the rest (BatchNorm,
+    # the head); SOAP a statistic and a basis for each of a kernel's four dimensions
+    model = new_resnet()
+    N = model.num_parameters()
+    kernels = sum(p.numel() for p in model.parameters() if p.dim() == 4)
+    soap_extra = sum(2 * n * n for p in model.parameters() if p.dim() >= 2 for n in p.shape)
+    assert 0.8 * N < kernels < N
+    assert runs["AdamW"].state_bytes == runs[races.SCHEDULE_FREE].state_bytes == 8 * N
+    assert runs["Muon"].state_bytes == 4 * kernels + 8 * (N - kernels)
+    assert runs["SOAP"].state_bytes == 8 * N + 4 * soap_extra
+    # on a GPT, which has no kernels, the race's Muon splits as muon_param_groups' default
+    gpt = GPT(11, 8, 1, 2, 16)
+    muon = races.modern_optimizers(1e-3, 1e-3, 2)["Muon"](gpt)
+    assert [len(group["params"]) for group in muon.param_groups] == [
+        len(group["params"]) for group in optim.muon_param_groups(gpt)
+    ]

@@ -2,8 +2,9 @@
 the CPU, under hypothesis), the Newton–Schulz iteration's properties (each singular value
 mapped by the quintic polynomial, the band of Jordan et al., orthogonal invariance, its
 FLOPs), Liu et al.'s shape scaling (the update's RMS), the AdamW groups against
-torch.optim.AdamW, the split of the book's models, exact resume, the compiled path, and bad
-input. The contract (foreach, groups, edges, sparse and complex) is test_contract.py's."""
+torch.optim.AdamW, convolution kernels (the step of the flattened matrix, bit for bit), the
+split of the book's models, exact resume, the compiled path, and bad input. The contract
+(foreach, groups, edges, sparse and complex) is test_contract.py's."""
 
 from __future__ import annotations
 
@@ -320,6 +321,27 @@ def test_a_resnet_keeps_its_convolutions_and_head_out_of_muon():
     assert adamw["use_muon"] is False and "head.weight" in names(adamw)
 
 
+def test_conv_true_gives_muon_the_kernels_and_changes_nothing_else():
+    resnet = ResNet(depth=8, width=4)
+    muon, adamw = optim.muon_param_groups(resnet, conv=True, betas=(0.9, 0.95))
+    kernels = {name for name, p in resnet.named_parameters() if p.ndim == 4}
+    # the stem's, two per block (3 blocks), the 1x1 shortcuts of the two downsampling blocks
+    assert len(kernels) == 9 and names(muon) == kernels
+    assert "head.weight" in names(adamw) and adamw["betas"] == (0.9, 0.95)
+    assert all(p.ndim < 4 for _, p in adamw["params"])
+    optim.Muon([muon, adamw])  # every kernel is accepted
+    # a GPT has no kernels: the same split either way
+    gpt = GPT(vocab_size=32, block_size=8, layers=1, heads=2, dim=16)
+    assert [names(g) for g in optim.muon_param_groups(gpt, conv=True)] == [
+        names(g) for g in optim.muon_param_groups(gpt)
+    ]
+    w, b, k = (torch.zeros(s, requires_grad=True) for s in [(3, 4), (3,), (2, 2, 3, 3)])
+    muon, adamw = optim.muon_param_groups([w, b, k], conv=True)
+    assert list(map(id, muon["params"])) == [id(w), id(k)] and adamw["params"] == [b]
+    (adamw,) = optim.muon_param_groups([b, k], adamw=[k], conv=True)  # a mark still wins
+    assert len(adamw["params"]) == 2
+
+
 def test_a_list_of_tensors_is_split_by_its_dimensions():
     w, b, k = (torch.zeros(s, requires_grad=True) for s in [(3, 4), (3,), (2, 2, 3, 3)])
     muon, adamw = optim.muon_param_groups([w, b, k])
@@ -330,6 +352,45 @@ def test_a_list_of_tensors_is_split_by_its_dimensions():
     muon, adamw = optim.muon_param_groups([("w", w), ("v", w.detach().clone().requires_grad_())],
                                           adamw=["v"])  # fmt: skip
     assert names(muon) == {"w"} and names(adamw) == {"v"}
+
+
+# -- convolution kernels ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(6, 2, 3, 3), (20, 2, 1, 3), (4, 3, 5), (3, 4, 1, 1)],  # wide, tall, 3-D, a 1x1 kernel
+)
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, None])
+@pytest.mark.parametrize("adjust_lr_fn", ["match_rms_adamw", "original"])
+def test_a_kernel_steps_as_the_matrix_of_its_numbers(shape, ns_dtype, adjust_lr_fn):
+    # viewed as out x (in*kh*kw): the iteration and the scaling of that matrix, bit for bit
+    g = torch.Generator().manual_seed(0)
+    K = torch.randn(shape, generator=g).requires_grad_()
+    K0 = K.detach().clone()
+    W = K.detach().flatten(1).clone().requires_grad_()
+    options = dict(lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, adjust_lr_fn=adjust_lr_fn)
+    kernel_opt, matrix_opt = optim.Muon([K], **options), optim.Muon([W], **options)
+    for _ in range(4):
+        G = torch.randn(shape, generator=g)
+        K.grad, W.grad = G.clone(), G.flatten(1).clone()
+        kernel_opt.step()
+        matrix_opt.step()
+    assert not torch.equal(K.detach(), K0)
+    torch.testing.assert_close(K.detach().flatten(1), W.detach(), **EXACT)
+    B = kernel_opt.state[K]["momentum_buffer"]
+    assert B.shape == K.shape  # the state keeps the kernel's shape: 4 bytes per number
+    torch.testing.assert_close(B.flatten(1), matrix_opt.state[W]["momentum_buffer"], **EXACT)
+
+
+def test_a_kernel_is_scaled_by_its_flattened_shape():
+    # Liu et al.'s RMS of 0.2 holds for the kernel's update as for a matrix's
+    K = torch.zeros(8, 4, 3, 3, requires_grad=True)
+    K.grad = torch.randn(8, 4, 3, 3, generator=torch.Generator().manual_seed(1))
+    optim.Muon([K], lr=1.0, ns_dtype=None, momentum=0.0, nesterov=False).step()
+    assert shape_scale((8, 36)) == 0.2 * 6.0
+    rms = K.detach().pow(2).mean().sqrt().item()
+    assert 0.2 * 0.68 < rms < 0.2 * 1.21, rms
 
 
 # -- exact resume ----------------------------------------------------------------------------
@@ -430,16 +491,24 @@ def test_bad_hyperparameters_name_the_argument_and_its_range(options, error, mes
         optim.Muon([w], **options)
 
 
-def test_a_parameter_that_is_not_a_matrix_is_refused_in_a_muon_group():
+def test_a_vector_or_a_scalar_is_refused_in_a_muon_group():
     w, b = torch.zeros(3, 4, requires_grad=True), torch.zeros(3, requires_grad=True)
-    message = r"Invalid params: a parameter of shape \(3,\) in a group with use_muon=True"
+    message = (r"Invalid params: a parameter of shape \(3,\) in a group with use_muon=True "
+               r"\(expected two dimensions or more.*muon_param_groups does\)$")  # fmt: skip
     with pytest.raises(ValueError, match=message):
         optim.Muon([w, b])
+    with pytest.raises(ValueError, match=r"the parameter 'bias' of shape \(3,\)"):
+        optim.Muon([("weight", w), ("bias", b)])  # named: the name is in the message
+    with pytest.raises(ValueError, match=r"shape \(\) in a group with use_muon=True"):
+        optim.Muon([torch.zeros((), requires_grad=True)])
     opt = optim.Muon([w])
-    with pytest.raises(ValueError, match=r"shape \(2, 2, 3, 3\) .*muon_param_groups"):
-        opt.add_param_group(dict(params=[torch.zeros(2, 2, 3, 3, requires_grad=True)]))
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        opt.add_param_group(dict(params=[b]))
     assert len(opt.param_groups) == 1
+    opt.add_param_group(dict(params=[torch.zeros(2, 2, 3, 3, requires_grad=True)]))  # a kernel
     opt.add_param_group(dict(params=[b], use_muon=False))  # AdamW's: any shape
     with pytest.raises(TypeError, match=r"Invalid use_muon: 1 \(expected True or False\)"):
         opt.add_param_group(dict(params=[torch.zeros(2, requires_grad=True)], use_muon=1))
-    assert len(opt.param_groups) == 2
+    assert len(opt.param_groups) == 3
+    with pytest.raises(TypeError, match=r"^Invalid conv: 1 \(expected True or False\)$"):
+        optim.muon_param_groups([w], conv=1)
