@@ -42,8 +42,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .. import models
 from .._util import check_int
@@ -61,7 +59,7 @@ from ..distributed.cost import measure_collective
 from ..distributed.diloco import DiLoCo
 from ..distributed.local_sgd import PeriodicAverager
 from ..distributed.traffic import COUNTED, SentMessages
-from ..memory import SavedTensorBytes
+from ..memory import LargestTensor, SavedTensorBytes
 from ..moe import MoE
 from ..parallel import (
     ExpertParallelMoE,
@@ -77,7 +75,6 @@ from ..profiles import capped_steps
 from ..train import LanguageModeling, StepResult, fit
 
 __all__ = [
-    "LargestTensor",
     "collectives_report",
     "diloco_report",
     "long_sequence_report",
@@ -420,23 +417,6 @@ def ring_traffic():
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-
-
-class LargestTensor(TorchDispatchMode):
-    """The most entries of any tensor an operation returns inside the block: the largest
-    intermediate (a block of scores, a message buffer) a rank holds at once, as Python
-    sees it (a fused kernel's scratch space is not seen)."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
 
 
 def _sequence_parallel(rank, p, dim, heads, batch, seq) -> dict:

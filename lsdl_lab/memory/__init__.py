@@ -41,7 +41,14 @@ from .fp8 import (
     fp8_round_trip,
     quantize_fp8,
 )
-from .measure import SavedTensorBytes, format_bytes, format_table, measure, measure_by_dtype
+from .measure import (
+    LargestTensor,
+    SavedTensorBytes,
+    format_bytes,
+    format_table,
+    measure,
+    measure_by_dtype,
+)
 from .precision import (
     LossScaler,
     amp_step,
@@ -86,6 +93,7 @@ __all__ = [
     "fp16_underflow",
     "gpt_memory",
     "gpt_param_shapes",
+    "LargestTensor",
     "LossScaler",
     "measure",
     "measure_by_dtype",

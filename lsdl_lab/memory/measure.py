@@ -9,6 +9,9 @@ Every number Chapter 8 states about memory is measured here, not estimated:
   pass, counted through :func:`torch.autograd.graph.saved_tensors_hooks`, so it works on
   the CPU, where there is no allocator statistics; on CUDA it also reads the allocator's
   peak (``torch.cuda.max_memory_allocated``).
+* :class:`LargestTensor` -- the most entries of any tensor an operation makes inside a
+  block: the largest intermediate a rank holds at once (a block of attention scores, a
+  message buffer), which the saved tensors alone do not show.
 * :func:`format_table` -- a table of bytes per category, one column per rank.
 
 Two counting rules make the numbers honest:
@@ -30,9 +33,11 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "CATEGORIES",
+    "LargestTensor",
     "SavedTensorBytes",
     "format_bytes",
     "format_table",
@@ -130,6 +135,38 @@ class _Held:
 
     def __del__(self):
         self.counter._release(self.key)
+
+
+def _tensors_of(out) -> Iterable[torch.Tensor]:
+    """The tensors of an operation's output: a tensor, or tensors in tuples and lists."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            yield from _tensors_of(item)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most entries (``numel``) of any tensor an operation returns inside a ``with``
+    block, forward and backward: the largest intermediate a rank holds at once, as the
+    operators torch dispatches see it (a fused kernel's own scratch space is not seen).
+
+    A dispatch mode sees every operator autograd's backward runs too, which the Python-level
+    ``torch.overrides.TorchFunctionMode`` does not: the reason for this class of
+    ``torch.utils._python_dispatch``, the mechanism torch's "Extending PyTorch" notes
+    document for such modes. ``tests/memory/test_measure.py`` holds it to a written-out
+    attention's score matrix and its backward, so a torch that changes it fails there.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors_of(out):
+            self.numel = max(self.numel, t.numel())
+        return out
 
 
 class SavedTensorBytes(contextlib.AbstractContextManager):

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from lsdl_lab.memory.measure import (
+    LargestTensor,
     SavedTensorBytes,
     format_bytes,
     format_table,
@@ -153,3 +154,22 @@ def test_format_table_one_and_many_ranks():
     assert ranks[2].split() == ["params", "1.00", "MiB", "1.00", "KiB"]
     with pytest.raises(ValueError, match="Invalid reports"):
         format_table([])
+
+
+def test_largest_tensor_sees_the_scores_and_the_backward():
+    """LargestTensor (a dispatch mode) sees the largest intermediate of a written-out
+    attention, its n x n scores, and the operators autograd's backward runs: a tensor that
+    only the backward makes (the gradient of a wider input) is seen too."""
+    n, d = 24, 4
+    q, k = (torch.randn(n, d, requires_grad=True) for _ in range(2))
+    with LargestTensor() as seen:
+        scores = (q @ k.t()).softmax(-1)
+    assert seen.numel == n * n
+    wide = torch.randn(3 * n, n, requires_grad=True)
+    out = scores.sum(0)  # made outside the block: only its backward runs inside
+    with LargestTensor() as backward:
+        (wide @ out).sum().backward()
+    assert backward.numel == 3 * n * n  # the gradient of `wide`
+    with LargestTensor() as nothing:
+        pass
+    assert nothing.numel == 0

@@ -8,31 +8,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from parallel_workers import refusal
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from lsdl_lab.distributed.traffic import SentMessages
+from lsdl_lab.memory import LargestTensor
 from lsdl_lab.parallel import ring_attention, ulysses_attention
 
 B, H, S_SHARD, D = 2, 4, 3, 8
 METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}
-
-
-class LargestTensor(TorchDispatchMode):
-    """The most entries of any tensor that an operation returns inside the block: the
-    largest intermediate (a score block, a message buffer) a rank holds at once, as seen
-    from Python (a fused kernel's own scratch space is not seen)."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
 
 
 def _whole(p, s, dtype, seed=0):
