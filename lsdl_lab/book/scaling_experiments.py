@@ -76,9 +76,11 @@ from ..train import LanguageModeling, StepResult, fit
 
 __all__ = [
     "collectives_report",
+    "context_check",
     "diloco_report",
     "long_sequence_report",
     "moe_against_dense",
+    "moe_pass",
     "moe_report",
     "moe_step",
     "ring_traffic",
@@ -214,7 +216,7 @@ def _moe_tokens(rank: int, tokens: int, dim: int) -> tuple[torch.Tensor, torch.T
     return x, torch.randn(x.shape, generator=g, dtype=torch.float64)
 
 
-def _moe_pass(layer, x, dy, alpha):
+def moe_pass(layer, x, dy, alpha):
     """Forward and backward of ``(y * dy).sum() + alpha * aux_loss`` on a leaf copy of x."""
     x = x.clone().requires_grad_(True)
     y = layer(x)
@@ -251,12 +253,12 @@ def moe_report(
         # gradient sums them all); this rank's output and input gradient from its own
         y_ref = dx_ref = None
         for s in range(world_size):
-            y, dx = _moe_pass(moe, *_moe_tokens(s, tokens, dim), alpha)
+            y, dx = moe_pass(moe, *_moe_tokens(s, tokens, dim), alpha)
             if s == rank:
                 y_ref, dx_ref, routed, capacity = y, dx, moe.tokens_per_expert, moe.capacity
         x, dy = _moe_tokens(rank, tokens, dim)
         with SentMessages() as wire:
-            y, dx = _moe_pass(ep, x, dy, alpha)
+            y, dx = moe_pass(ep, x, dy, alpha)
         grad_error = 0.0
         for i, expert in enumerate(ep.experts):
             dense = moe.experts[rank * local + i]
@@ -459,12 +461,15 @@ def _sequence_parallel(rank, p, dim, heads, batch, seq) -> dict:
     return report
 
 
-def _context(rank, p, method, batch, heads, shard_len, head_dim, dtype=torch.float64) -> dict:
+def context_check(
+    rank, p, method, batch, heads, shard_len, head_dim, dtype=torch.float64, seed: int = 7
+) -> dict:
     """Ring attention or Ulysses on this rank's shard against full causal attention on the
-    whole sequence: errors of the output and of q, k, v's gradients; bytes sent forward and
-    backward (:class:`SentMessages`)."""
+    whole sequence (inputs drawn from ``seed``): errors of the output and of q, k, v's
+    gradients; bytes sent forward and backward (:class:`SentMessages`). Chapter 10's and
+    Lab 10's check."""
     fn = {"ring": ring_attention, "ulysses": ulysses_attention}[method]
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seed)
     q, k, v, dy = (
         torch.randn(batch, heads, p * shard_len, head_dim, generator=g, dtype=dtype)
         for _ in range(4)
@@ -527,7 +532,7 @@ def long_sequence_report(
     report = {
         "sequence": _sequence_parallel(rank, world_size, dim, heads, batch, seq),
         "context": {
-            m: _context(rank, world_size, m, batch, heads, shard_lengths[0], head_dim)
+            m: context_check(rank, world_size, m, batch, heads, shard_lengths[0], head_dim)
             for m in methods
         },
         "bytes": {},
@@ -538,7 +543,7 @@ def long_sequence_report(
     for s in shard_lengths:
         numel = batch * heads * s * head_dim
         for m in methods:
-            run = _context(rank, world_size, m, batch, heads, s, head_dim, torch.float32)
+            run = context_check(rank, world_size, m, batch, heads, s, head_dim, torch.float32)
             report["bytes"][m, s] = run["bytes"]
             report["formula"][m, s] = formulas[m](numel, world_size, torch.float32)
             report["largest"][m, s] = _largest(m, world_size, batch, heads, s, head_dim)

@@ -22,19 +22,17 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..distributed.collectives import all_to_all, rabenseifner_all_reduce, ring_all_reduce
 from ..distributed.traffic import SentMessages
 from ..moe import MoE
 from ..parallel.context import (
-    ring_attention,
     ring_attention_bytes,
-    ulysses_attention,
     ulysses_attention_bytes,
 )
 from ..parallel.expert import ExpertParallelMoE
 from ..profiles import capped_steps
+from .scaling_experiments import context_check, moe_pass
 
 __all__ = [
     "ALL_REDUCES",
@@ -149,13 +147,6 @@ def _tokens(rank: int, n: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(x.shape, generator=g, dtype=torch.float64)
 
 
-def _forward_backward(layer, x, dy, alpha: float):
-    x = x.clone().requires_grad_(True)
-    y = layer(x)
-    ((y * dy).sum() + alpha * layer.aux_loss).backward()
-    return y.detach(), x.grad
-
-
 def expert_parallel_check(
     rank,
     world_size,
@@ -178,10 +169,10 @@ def expert_parallel_check(
     moe = MoE(dim, hidden, experts, top_k, capacity_factor).double()
     ep = ExpertParallelMoE.from_dense(moe, None)
     x, dy = _tokens(rank, tokens, dim)
-    y, dx = _forward_backward(ep, x, dy, alpha)
+    y, dx = moe_pass(ep, x, dy, alpha)
     moe.zero_grad()
     for s in range(world_size):  # the reference: every rank's tokens through one layer
-        y_ref, dx_ref = _forward_backward(moe, *_tokens(s, tokens, dim), alpha)
+        y_ref, dx_ref = moe_pass(moe, *_tokens(s, tokens, dim), alpha)
         if s == rank:
             mine = (y_ref, dx_ref, moe.tokens_per_expert.tolist(), moe.dropped)
     local = experts // world_size
@@ -219,30 +210,14 @@ def context_parallel_check(
     bytes this rank sends (forward, backward) counted message by message, and
     ``formula[method][s]`` what :func:`ring_attention_bytes` and
     :func:`ulysses_attention_bytes` predict."""
-    methods = {"ring": (ring_attention, ring_attention_bytes)}
-    methods["Ulysses"] = (ulysses_attention, ulysses_attention_bytes)
-    out = {key: {m: {} for m in methods} for key in ("error", "bytes", "formula")}
+    formulas = {"ring": ring_attention_bytes, "Ulysses": ulysses_attention_bytes}
+    out = {key: {m: {} for m in formulas} for key in ("error", "bytes", "formula")}
     for s in shards:
-        g = torch.Generator().manual_seed(s)
-        q, k, v, dy = (
-            torch.randn(batch, heads, world_size * s, head_dim, generator=g, dtype=torch.float64)
-            for _ in range(4)
-        )
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        y = F.scaled_dot_product_attention(*full, is_causal=True)
-        y.backward(dy)
-        mine = slice(rank * s, (rank + 1) * s)
-        for name, (attention, formula) in methods.items():
-            shard = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-            with SentMessages(forbid=True) as forward:
-                o = attention(*shard, causal=True)
-            with SentMessages(forbid=True) as backward:
-                o.backward(dy[:, :, mine])
-            errors = [(o - y[:, :, mine]).abs().max().item()]
-            errors += [
-                (a.grad - b.grad[:, :, mine]).abs().max().item() for a, b in zip(shard, full)
-            ]
-            out["error"][name][s] = max(errors)
-            out["bytes"][name][s] = (forward.bytes, backward.bytes)
-            out["formula"][name][s] = formula(shard[0].numel(), world_size, torch.float64)
+        for name, formula in formulas.items():
+            run = context_check(rank, world_size, name.lower(), batch, heads, s, head_dim, seed=s)
+            out["error"][name][s] = max(run["errors"].values())
+            out["bytes"][name][s] = run["bytes"]
+            out["formula"][name][s] = formula(
+                batch * heads * s * head_dim, world_size, torch.float64
+            )
     return out
