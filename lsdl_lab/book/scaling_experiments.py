@@ -75,6 +75,8 @@ from ..profiles import capped_steps
 from ..train import LanguageModeling, StepResult, fit
 
 __all__ = [
+    "all_to_all_even",
+    "builtin_all_to_all",
     "collectives_report",
     "context_check",
     "diloco_report",
@@ -129,14 +131,17 @@ def _hierarchical(local_size: int):
     return call
 
 
-def _all_to_all_even(tensor, group=None):
+def all_to_all_even(tensor, group=None):
     """An even all-to-all of ``tensor`` (its first dimension divisible by the ranks), for
     :func:`~lsdl_lab.distributed.measure_collective`."""
     return all_to_all(torch.empty_like(tensor), tensor, group)
 
 
-def _builtin_all_to_all(tensor, group=None):
-    return dist.all_to_all_single(torch.empty_like(tensor), tensor, group=group)
+def builtin_all_to_all(tensor, group=None):
+    """:func:`all_to_all_even` by ``dist.all_to_all_single``."""
+    out = torch.empty_like(tensor)
+    dist.all_to_all_single(out, tensor, group=group)
+    return out
 
 
 def collectives_report(
@@ -185,11 +190,11 @@ def collectives_report(
             counts.append(messages.bytes)
         sent[name] = [int(b) for b in _max_over_ranks(counts)]
     with SentMessages() as messages:
-        _all_to_all_even(torch.ones(world_size, nbytes[-1] // (4 * world_size)))
+        all_to_all_even(torch.ones(world_size, nbytes[-1] // (4 * world_size)))
     sent["all-to-all"] = [int(_max_over_ranks([messages.bytes])[0])]
 
     timed = {**algorithms, "built-in": dist.all_reduce}
-    timed |= {"all-to-all": _all_to_all_even, "built-in all-to-all": _builtin_all_to_all}
+    timed |= {"all-to-all": all_to_all_even, "built-in all-to-all": builtin_all_to_all}
     sizes = [n - n % (4 * world_size) for n in nbytes]  # the all-to-all cuts rows evenly
     rounds = [
         {name: measure_collective(fn, sizes, 1) for name, fn in timed.items()}

@@ -32,7 +32,7 @@ from ..parallel.context import (
 )
 from ..parallel.expert import ExpertParallelMoE
 from ..profiles import capped_steps
-from .scaling_experiments import context_check, moe_pass
+from .scaling_experiments import all_to_all_even, builtin_all_to_all, context_check, moe_pass
 
 __all__ = [
     "ALL_REDUCES",
@@ -43,17 +43,7 @@ __all__ = [
 ]
 
 
-def _ours_all_to_all(x: torch.Tensor, group=None) -> torch.Tensor:
-    return all_to_all(torch.empty_like(x), x, group)
-
-
-def _built_in_all_to_all(x: torch.Tensor, group=None) -> torch.Tensor:
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
-
-
-ALL_TO_ALLS = {"all-to-all (ours)": _ours_all_to_all, "all-to-all (built-in)": _built_in_all_to_all}
+ALL_TO_ALLS = {"all-to-all (ours)": all_to_all_even, "all-to-all (built-in)": builtin_all_to_all}
 ALL_REDUCES = {
     "ring": ring_all_reduce,
     "Rabenseifner": rabenseifner_all_reduce,
