@@ -21,8 +21,11 @@ experiment, so the chapter, the lab and the tests measure the same way.
   in each format and scaling (Micikevicius et al. 2022; the OCP MX specification), and
   training with the linears in emulated FP8 against float32 and bfloat16.
 
-The worker of :func:`zero_per_rank` is a top-level function of this module, so that
-:func:`lsdl_lab.distributed.spawn` can start it in fresh processes.
+Every run trains through :func:`lsdl_lab.train.fit`, the one loop, with a step of
+:mod:`lsdl_lab.steps`' pieces (:class:`LoggedStep`, or fit's default
+:func:`~lsdl_lab.train.train_step`), so fit's step counter applies the dry run's cap
+(:mod:`lsdl_lab.profiles`). The worker of :func:`zero_per_rank` is a top-level function of
+this module, so that :func:`lsdl_lab.distributed.spawn` can start it in fresh processes.
 """
 
 from __future__ import annotations
@@ -35,20 +38,21 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from .._util import check_choice, check_int, check_positive
 from ..memory.fp8 import FORMATS, convert_to_fp8, fp8_counts, quantize_fp8
 from ..memory.measure import SavedTensorBytes, measure
-from ..memory.precision import LossScaler, amp_step
+from ..memory.precision import LossScaler
 from ..memory.quantize import BLOCK_SIZE, dequantize_blockwise, dynamic_map, quantize_blockwise
 from ..memory.recompute import sweep
 from ..memory.sharded import ZeroOptimizer
 from ..models import GPT
-from ..profiles import capped_steps
+from ..steps import accumulate, update
+from ..train import LossFunction, StepResult, fit
 
 __all__ = [
     "PRECISION_MODES",
+    "LoggedStep",
     "fp8_cast_errors",
     "fp8_curves",
     "fp8_operands",
@@ -75,6 +79,57 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
+class LoggedStep:
+    """:func:`lsdl_lab.train.fit`'s step for this module's runs, which keeps what they
+    plot: forward and backward of the batch (:func:`~lsdl_lab.steps.accumulate`, one
+    micro-batch; under ``torch.autocast`` in ``dtype`` when given, the loss multiplied by
+    ``scaler``'s scale when given), then :func:`~lsdl_lab.steps.update` (the scaler's
+    step, which skips an update whose gradients are not finite). :attr:`losses` holds
+    every step's loss as computed, finite or not: these runs show what a precision does
+    to training, so a loss that overflows is recorded, not raised. With a scaler,
+    :attr:`scales` holds the scale each step used and :attr:`skipped` the steps (counted
+    from 0) it skipped; :attr:`taken` counts the updates made."""
+
+    def __init__(self, dtype: torch.dtype | None = None, scaler: LossScaler | None = None):
+        self.dtype, self.scaler = dtype, scaler
+        self.losses: list[float] = []
+        self.scales: list[float] = []
+        self.skipped: list[int] = []
+
+    @property
+    def taken(self) -> int:
+        return len(self.losses) - len(self.skipped)
+
+    def __call__(self, model, optimizer, batch, task) -> StepResult:
+        if self.scaler is not None:
+            self.scales.append(self.scaler.get_scale())
+        optimizer.zero_grad(set_to_none=True)
+        loss, examples, counts = accumulate(
+            model, [batch], task, dtype=self.dtype, scaler=self.scaler
+        )
+        stepped = update(optimizer, self.scaler)
+        if not stepped:
+            self.skipped.append(len(self.losses))
+        self.losses.append(loss.item())
+        return StepResult(self.losses[-1], examples, counts, stepped=stepped)
+
+
+def _fit(model, optimizer, batches, steps, step, loss_fn, name=None) -> None:
+    """:func:`~lsdl_lab.train.fit` on ``loss_fn`` with ``step``; a bar named ``name``
+    (none without one), and no gradient norm (what these runs keep is in the step)."""
+    fit(
+        model,
+        optimizer,
+        batches,
+        steps,
+        step=step,
+        task=LossFunction(loss_fn),
+        progress=name is not None,
+        desc=name,
+        grad_norm=False,
+    )
+
+
 def untied_gpt(vocab: int, block: int, layers: int, heads: int, dim: int, seed: int = 0) -> GPT:
     """The book's GPT with its output layer given its own copy of the token embedding.
     ZeRO's units are modules, and a weight shared by two modules would be gathered and
@@ -90,23 +145,27 @@ def untied_gpt(vocab: int, block: int, layers: int, heads: int, dim: int, seed: 
 def zero_worker(rank: int, world_size: int, gpt_args: tuple, batches: list, stages: Sequence[int]):
     """One rank of :func:`zero_per_rank`: for each stage, a fresh bfloat16 GPT
     (:func:`untied_gpt` with ``gpt_args``) under ``ZeroOptimizer(stage, Adam, float32
-    master)``, one step per batch on the rank's half of each ``(x, y)`` batch."""
+    master)``, one step per batch on the rank's part of each ``(x, y)`` batch, rows
+    ``[r n, (r + 1) n)`` for ``n = len(x) // world_size`` (:func:`~lsdl_lab.train.fit` with
+    a :class:`LoggedStep`). A batch of fewer rows than ranks, as a dry run's text batch of
+    one sequence (:mod:`lsdl_lab.profiles`), gives rank ``r`` its row ``r mod len(x)``, so
+    that no rank steps on an empty batch."""
     # Stage 3's backward pre-hooks fire on modules whose inputs need no gradient (the
     # embeddings take token indices); torch warns about it, and it is intended here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
+
+    def part(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batches[t]
+        rows = len(x) // world_size
+        first = rank * rows if rows else rank % len(x)
+        return x[first : first + max(rows, 1)], y[first : first + max(rows, 1)]
+
     out = {}
     for stage in stages:
         model = untied_gpt(*gpt_args).bfloat16()
         opt = ZeroOptimizer(model, torch.optim.Adam, stage=stage, master_dtype=torch.float32)
-        losses = []
-        for x, y in batches:
-            rows = len(x) // world_size
-            part = slice(rank * rows, (rank + 1) * rows)
-            opt.zero_grad()
-            loss = lm_loss(model(x[part]), y[part])
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        step = LoggedStep()
+        _fit(model, opt, part, len(batches), step, lm_loss)
         names = {id(m): n for n, m in model.named_modules()}
         out[stage] = {
             "held": opt.held_bytes(),
@@ -122,7 +181,7 @@ def zero_worker(rank: int, world_size: int, gpt_args: tuple, batches: list, stag
                 }
                 for u in opt.units
             ],
-            "losses": losses,
+            "losses": step.losses,
             # the whole parameters after the last step (a collective at stage 3)
             "params": torch.cat([p.reshape(-1) for p in opt.full_parameters()]),
         }
@@ -171,22 +230,14 @@ def train_curves(
     loss_fn: Callable = lm_loss,
 ) -> dict[str, list[float]]:
     """The training loss of each step of a fresh model under each optimizer, on the same
-    batches (``batches(step)``)."""
+    batches (``batches(step)``): :func:`~lsdl_lab.train.fit` with a :class:`LoggedStep`."""
     steps = check_int("steps", steps, 1)
     curves = {}
     for name, make in optimizers.items():
         model = new_model()
-        opt = make(model.parameters())
-        losses = []
-        # capped_steps: the identity, except in a dry run (lsdl_lab.profiles)
-        for t in tqdm(range(capped_steps(steps)), desc=name, leave=False):
-            x, y = batches(t)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        curves[name] = losses
+        step = LoggedStep()
+        _fit(model, make(model.parameters()), batches, steps, step, loss_fn, name)
+        curves[name] = step.losses
     return curves
 
 
@@ -229,6 +280,20 @@ def gradient_underflow(
     }
 
 
+def _retrying(
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]], step: LoggedStep, seen: list
+) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of fit's steps when a skipped step is retried: fit's step ``t`` gets
+    ``batches(step.taken)``, the batch of the next update to be made (the index is
+    appended to ``seen``)."""
+
+    def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(step.taken)
+        return batches(step.taken)
+
+    return batch
+
+
 def precision_curves(
     new_model: Callable[[], nn.Module],
     make_optimizer: Callable,
@@ -246,40 +311,30 @@ def precision_curves(
     same batches in the same order and the losses compare batch by batch. Per mode:
     ``losses`` (of every step, skipped or not), ``batch`` (the batch index of each step),
     ``seconds`` and, with the scaler, ``scales`` (the scale each step used) and
-    ``skipped`` (the steps skipped for an inf/NaN gradient)."""
+    ``skipped`` (the steps skipped for an inf/NaN gradient). Each run is
+    :func:`~lsdl_lab.train.fit` with a :class:`LoggedStep`, whose batch at each step is
+    that of the next update to be taken."""
     steps = check_int("steps", steps, 1)
-    out = {}
     for mode in modes:
         check_choice("mode", mode, PRECISION_MODES)
+    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    out = {}
+    for mode in modes:
         model = new_model()
-        opt = make_optimizer(model.parameters())
         scaler = None
         if "scaler" in mode:
             scaler = LossScaler(init_scale, growth_interval=growth_interval)
-        run = {"losses": [], "batch": [], "scales": [], "skipped": []}
-        taken = 0
+        step, seen = LoggedStep(dtypes[mode.removesuffix(" + scaler")], scaler), []
+        opt = make_optimizer(model.parameters())
         start = time.perf_counter()
-        for t in range(steps):
-            batch = batches(taken)
-            run["batch"].append(taken)
-            if mode == "fp32":
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(model(batch[0]), batch[1])
-                loss.backward()
-                opt.step()
-                run["losses"].append(loss.item())
-                taken += 1
-                continue
-            dtype = torch.bfloat16 if mode == "bf16" else torch.float16
-            if scaler is not None:
-                run["scales"].append(scaler.get_scale())
-            run["losses"].append(amp_step(model, opt, loss_fn, batch, dtype, scaler))
-            if scaler is not None and scaler.skipped:
-                run["skipped"].append(t)
-            else:
-                taken += 1
-        run["seconds"] = time.perf_counter() - start
-        out[mode] = run
+        _fit(model, opt, _retrying(batches, step, seen), steps, step, loss_fn, mode)
+        out[mode] = {
+            "losses": step.losses,
+            "batch": seen,
+            "scales": step.scales,
+            "skipped": step.skipped,
+            "seconds": time.perf_counter() - start,
+        }
     return out
 
 
@@ -370,15 +425,14 @@ def moment_block_errors(
     ``negative``, how many decoded values of the moment are below zero, and ``zeroed`` and
     ``zeroed_linear``, the fractions of its nonzero values decoded to zero by the dynamic
     map and by a linear map of 256 values on the same range (the uniform 8-bit quantization
-    it replaces). ``absmax`` and ``error`` come back on the CPU, for plotting."""
+    it replaces). ``absmax`` and ``error`` come back on the CPU, for plotting. The training
+    is :func:`~lsdl_lab.train.fit` with its default step (a loss that is not finite stops
+    it: its moments would be no measure of anything); the loop over the parameters after
+    it measures the trained state and takes no step."""
     steps = check_int("steps", steps, 1)
     model = new_model()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    for t in range(capped_steps(steps)):
-        x, y = batches(t)
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        opt.step()
+    fit(model, opt, batches, steps, task=LossFunction(loss_fn), desc="AdamW", grad_norm=False)
     out = {}
     for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
         code = dynamic_map(signed)
@@ -492,11 +546,12 @@ def fp8_curves(
     loss_fn: Callable = lm_loss,
 ) -> dict[str, dict]:
     """Train a fresh model ``steps`` steps under each recipe, on the same batches: a recipe
-    is ``"fp32"``, ``"bf16"`` (autocast, float32 master weights: :func:`amp_step`) or the
+    is ``"fp32"``, ``"bf16"`` (bfloat16 autocast, float32 master weights) or the
     options of :func:`~lsdl_lab.memory.convert_to_fp8` (``scaling``, formats...), whose
     linears but ``keep`` (the output layer, kept in float32 as FP8 recipes do) then compute
     in emulated FP8. Per recipe: ``losses``, ``seconds`` and, for FP8, ``counts``
-    (:func:`~lsdl_lab.memory.fp8_counts` summed over the run)."""
+    (:func:`~lsdl_lab.memory.fp8_counts` summed over the run). Each run is
+    :func:`~lsdl_lab.train.fit` with a :class:`LoggedStep`."""
     steps = check_int("steps", steps, 1)
     out = {}
     for name, recipe in recipes.items():
@@ -505,20 +560,12 @@ def fp8_curves(
             check_choice("recipe", recipe, ("fp32", "bf16"))
         else:
             convert_to_fp8(model, keep=keep, **recipe)
+        # FP8 is in the converted linears; the step itself computes in float32
+        step = LoggedStep(torch.bfloat16 if recipe == "bf16" else None)
         opt = make_optimizer(model.parameters())
-        losses = []
         start = time.perf_counter()
-        for t in tqdm(range(capped_steps(steps)), desc=name, leave=False):
-            batch = batches(t)
-            if recipe == "bf16":
-                losses.append(amp_step(model, opt, loss_fn, batch, torch.bfloat16))
-                continue
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(batch[0]), batch[1])
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        run = {"losses": losses, "seconds": time.perf_counter() - start}
+        _fit(model, opt, batches, steps, step, loss_fn, name)
+        run = {"losses": step.losses, "seconds": time.perf_counter() - start}
         if not isinstance(recipe, str):
             run["counts"] = fp8_counts(model)
         out[name] = run

@@ -12,6 +12,7 @@ from lsdl_lab.book import memory_experiments as experiments
 from lsdl_lab.memory import gpt_memory, theoretical_peak, zero_bytes
 from lsdl_lab.memory.calculator import GPTShape
 from lsdl_lab.models import GPT
+from lsdl_lab.train import LossFunction, fit, train_step
 
 VOCAB, BLOCK, LAYERS, HEADS, DIM = 16, 8, 2, 2, 16
 
@@ -65,6 +66,46 @@ def test_optimizer_state_and_curves():
     curves = experiments.train_curves(gpt, opts, batches, 5)
     assert [len(c) for c in curves.values()] == [5, 5]
     assert curves["Adam"][0] == curves["Adafactor"][0]  # the same model and first batch
+
+
+def test_logged_step_is_fits_default_step_and_keeps_every_loss():
+    # fit with the default train_step and fit with a LoggedStep: the same arithmetic, bit
+    # for bit, and the step keeps the loss of every step that fit logs
+    models, steps = [gpt(), gpt()], [train_step, experiments.LoggedStep()]
+    histories = [
+        fit(m, optim.Adam(m.parameters(), lr=1e-2), batches, 4, step=s,
+            task=LossFunction(experiments.lm_loss), log_every=1, progress=False)
+        for m, s in zip(models, steps)
+    ]  # fmt: skip
+    for a, b in zip(*(m.parameters() for m in models), strict=True):
+        assert torch.equal(a, b)
+    assert histories[0].series("loss") == histories[1].series("loss")
+    assert steps[1].losses == histories[1].series("loss")[1]
+    assert len(set(steps[1].losses)) == 4 and steps[1].taken == 4 and not steps[1].skipped
+
+
+def test_every_training_run_stops_at_the_dry_runs_cap(monkeypatch):
+    # lsdl_lab.profiles: a dry run caps every loop at LSDL_MAX_STEPS; fit's step counter
+    # does it for each run of this module, the precision runs included
+    moments = experiments.moment_block_errors(gpt, batches, 2, block_size=64, min_size=64)
+    monkeypatch.setenv("LSDL_MAX_STEPS", "2")
+    opts = {"Adam": lambda p: optim.Adam(p, lr=1e-2)}
+    assert [len(c) for c in experiments.train_curves(gpt, opts, batches, 7).values()] == [2]
+    runs = experiments.precision_curves(gpt, opts["Adam"], batches, 7, modes=("fp32", "bf16"))
+    assert [(len(r["losses"]), r["batch"]) for r in runs.values()] == [(2, [0, 1])] * 2
+    runs = experiments.fp8_curves(gpt, opts["Adam"], batches, 7, {"fp32": "fp32"})
+    assert len(runs["fp32"]["losses"]) == 2
+    capped = experiments.moment_block_errors(gpt, batches, 9, block_size=64, min_size=64)
+    for name in moments:  # nine steps capped at two are the two steps, bit for bit
+        assert torch.equal(capped[name]["error"], moments[name]["error"])
+        assert capped[name]["relative"] == moments[name]["relative"]
+    # the ranks read the cap from the environment; a dry run's text batch holds one
+    # sequence, which each rank then trains on (the same losses), not on an empty half
+    three = [batches(t, rows=1) for t in range(3)]
+    ranks = experiments.zero_per_rank((VOCAB, BLOCK, LAYERS, HEADS, DIM), three, 2, (1,))
+    assert [len(out[1]["losses"]) for out in ranks] == [2, 2]
+    assert ranks[0][1]["losses"] == ranks[1][1]["losses"]
+    assert all(math.isfinite(loss) for loss in ranks[0][1]["losses"])
 
 
 def test_gradient_underflow_is_lost_without_scaling_and_kept_with_it():
