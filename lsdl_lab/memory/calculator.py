@@ -54,10 +54,9 @@ input, as Megatron-LM's fused SwiGLU keeps them).
   a rank holds s/c positions of every activation, so every term above is counted at s/c
   (the logits too). Both keep no s x s scores (a log-sum-exp per query, as a fused kernel),
   so ``cp > 1`` needs ``attention="fused"``. Their bytes per layer and micro-batch are
-  :func:`~lsdl_lab.parallel.context.ring_attention_bytes` of a K shard
-  (``(6c - 4) n`` in one dtype, under 6 whole-sequence K tensors whatever c; ``(8c - 4) n``
-  for 16-bit K and V, whose gradients accumulate in float32) or
-  :func:`~lsdl_lab.parallel.context.ulysses_attention_bytes` of a Q shard
+  :func:`ring_attention_bytes` of a K shard (``(6c - 4) n`` in one dtype, under 6
+  whole-sequence K tensors whatever c; ``(8c - 4) n`` for 16-bit K and V, whose gradients
+  accumulate in float32) or :func:`ulysses_attention_bytes` of a Q shard
   (``8 (c-1)/c n``), in :func:`layer_traffic`.
 * *Experts* (:class:`GPTShape`'s ``experts`` E and ``top_k`` k, as
   :class:`lsdl_lab.moe.MoE`: each block's MLP becomes E copies and a router, E x h without
@@ -132,7 +131,7 @@ from dataclasses import dataclass
 import torch
 
 from .._util import check_bool, check_choice, check_int
-from .quantize import BLOCK_SIZE
+from .quantize import MIN_8BIT_SIZE, quantized_bytes
 from .zero import zero_bytes
 
 __all__ = [
@@ -154,6 +153,8 @@ __all__ = [
     "resnet_activation_bytes",
     "resnet_memory",
     "resnet_param_shapes",
+    "ring_attention_bytes",
+    "ulysses_attention_bytes",
 ]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -296,13 +297,10 @@ def optimizer_state_bytes(shapes: list[tuple[int, ...]], optimizer: str, precisi
     if optimizer == "sgd_momentum":
         return master + 4 * psi
     if optimizer == "adam8bit":
-        from ..optim.adam8bit import MIN_8BIT_SIZE  # here: lsdl_lab.optim imports this module
-
         # Dettmers et al. 2022: per moment a byte a value and a float32 absmax a block;
         # tensors under MIN_8BIT_SIZE values keep Adam's float32 moments
         return master + sum(
-            2 * n + 2 * 4 * -(-n // BLOCK_SIZE) if n >= MIN_8BIT_SIZE else 8 * n
-            for n in map(_numel, shapes)
+            2 * quantized_bytes(n) if n >= MIN_8BIT_SIZE else 8 * n for n in map(_numel, shapes)
         )
     # Adafactor: a row and a column statistic for a matrix (over the last two dimensions
     # of an order-k tensor, as Adafactor factors a convolution's weight), a full one for a
@@ -422,6 +420,32 @@ def activation_bytes(
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def ring_attention_bytes(numel: int, p: int, dtype=torch.float32) -> tuple[int, int]:
+    """Bytes one rank sends in :func:`~lsdl_lab.parallel.context.ring_attention`,
+    ``(forward, backward)``, for shards of ``numel`` entries (``batch * heads * s *
+    head_dim``) of ``dtype`` on p ranks.
+
+    Forward: p - 1 hops of k and v, ``2 (p-1) n`` with n the shard's bytes. Backward: the
+    same p - 1 hops of k and v, and p hops of dk and dv (the last takes each block's
+    gradient home), ``2 (p-1) n + 2 p n_acc`` with ``n_acc`` the bytes of a shard in the
+    accumulators' precision (float32 at least). Nothing for p = 1."""
+    if p == 1:
+        return 0, 0
+    n = numel * torch.empty((), dtype=dtype).element_size()
+    n_acc = numel * torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
+    return 2 * (p - 1) * n, 2 * (p - 1) * n + 2 * p * n_acc
+
+
+def ulysses_attention_bytes(numel: int, p: int, dtype=torch.float32) -> tuple[int, int]:
+    """Bytes one rank sends in :func:`~lsdl_lab.parallel.context.ulysses_attention`,
+    ``(forward, backward)``, for shards of ``numel`` entries of ``dtype`` on p ranks: each
+    all-to-all keeps 1/p of what it is handed and sends the rest. Forward, q, k and v out
+    and the output back: ``4 (p-1)/p n``; backward, the gradient of the output out and
+    those of q, k, v back: the same (n: a shard's bytes)."""
+    n = numel * torch.empty((), dtype=dtype).element_size()
+    return 4 * (p - 1) * n // p, 4 * (p - 1) * n // p
+
+
 def layer_traffic(
     shape: GPTShape,
     precision: str = "bf16",
@@ -441,12 +465,11 @@ def layer_traffic(
       backward, two more under full recomputation, each ``2 (t-1)/t n`` by a ring; with
       ``sequence_parallel`` each is an all-gather and a reduce-scatter, ``(t-1)/t n``
       each, the same bytes (Korthikanti et al. 2022, Section 4.2.2);
-    * context parallelism, ``context="ring"``:
-      :func:`~lsdl_lab.parallel.context.ring_attention_bytes` of one K shard
-      (``b kv/t s/cp h/a`` values), ``"ulysses"``:
-      :func:`~lsdl_lab.parallel.context.ulysses_attention_bytes` of one Q shard (K and V
-      repeated to every head, as the library's Ulysses takes them; ``heads/t`` must divide
-      by ``cp``); full recomputation sends the forward's bytes once more;
+    * context parallelism, ``context="ring"``: :func:`ring_attention_bytes` of one K
+      shard (``b kv/t s/cp h/a`` values), ``"ulysses"``: :func:`ulysses_attention_bytes`
+      of one Q shard (K and V repeated to every head, as the library's Ulysses takes them;
+      ``heads/t`` must divide by ``cp``); full recomputation sends the forward's bytes
+      once more;
     * expert parallelism (``tp = 1``): four all-to-alls of the k T rows (dispatch and
       combine, each forward and backward), each keeping 1/e of them:
       ``4 k T h p (e-1)/e``, six under full recomputation; the int64 counts' all-to-all
@@ -474,9 +497,6 @@ def layer_traffic(
                 + (" and then by cp" if context == "ulysses" else "")
                 + ")"
             )
-        # here, not at the top: lsdl_lab.parallel imports lsdl_lab.optim, which imports this
-        from ..parallel.context import ring_attention_bytes, ulysses_attention_bytes
-
         numel = tokens * heads // t * d
         bytes_of = ring_attention_bytes if context == "ring" else ulysses_attention_bytes
         forward, backward = bytes_of(numel, c, dtype)

@@ -77,10 +77,21 @@ from torch import Tensor
 
 from .._util import check_bool, check_int
 
-__all__ = ["dequantize_blockwise", "dynamic_map", "quantize_blockwise", "quantized_bytes"]
+__all__ = [
+    "BLOCK_SIZE",
+    "MIN_8BIT_SIZE",
+    "dequantize_blockwise",
+    "dynamic_map",
+    "quantize_blockwise",
+    "quantized_bytes",
+]
 
 #: the paper's block size (Dettmers et al., 2022)
 BLOCK_SIZE = 2048
+#: the fewest values a tensor needs for its optimizer states to be kept in 8 bits
+#: (bitsandbytes's ``min_8bit_size``): a smaller one (a bias, a LayerNorm gain) keeps its
+#: states in full precision, where a block's scale would cost more than the byte saves
+MIN_8BIT_SIZE = 4096
 #: decades of the dynamic map: 10^0 down to 10^-6
 DECADES = 7
 

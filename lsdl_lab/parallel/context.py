@@ -50,7 +50,10 @@ import torch.nn.functional as F
 
 from .._util import check_tensor
 from ..distributed.collectives import all_to_all
+from ..memory.calculator import ring_attention_bytes, ulysses_attention_bytes
 
+# ring_attention_bytes and ulysses_attention_bytes live with the memory calculator's other
+# counts of bytes (lsdl_lab.memory.calculator, which layer_traffic reads); re-exported here
 __all__ = [
     "online_softmax_step",
     "ring_attention",
@@ -287,28 +290,3 @@ def ulysses_attention(q, k, v, group=None, causal: bool = True) -> torch.Tensor:
     qkv = _SequenceToHeads.apply(torch.stack((q, k, v)), group, True)
     y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=bool(causal))
     return _SequenceToHeads.apply(y, group, False)
-
-
-def ring_attention_bytes(numel: int, p: int, dtype=torch.float32) -> tuple[int, int]:
-    """Bytes one rank sends in :func:`ring_attention`, ``(forward, backward)``, for shards
-    of ``numel`` entries (``batch * heads * s * head_dim``) of ``dtype`` on p ranks.
-
-    Forward: p - 1 hops of k and v, ``2 (p-1) n`` with n the shard's bytes. Backward: the
-    same p - 1 hops of k and v, and p hops of dk and dv (the last takes each block's
-    gradient home), ``2 (p-1) n + 2 p n_acc`` with ``n_acc`` the bytes of a shard in the
-    accumulators' precision (float32 at least). Nothing for p = 1."""
-    if p == 1:
-        return 0, 0
-    n = numel * torch.empty((), dtype=dtype).element_size()
-    n_acc = numel * torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
-    return 2 * (p - 1) * n, 2 * (p - 1) * n + 2 * p * n_acc
-
-
-def ulysses_attention_bytes(numel: int, p: int, dtype=torch.float32) -> tuple[int, int]:
-    """Bytes one rank sends in :func:`ulysses_attention`, ``(forward, backward)``, for
-    shards of ``numel`` entries of ``dtype`` on p ranks: each all-to-all keeps 1/p of what
-    it is handed and sends the rest. Forward, q, k and v out and the output back:
-    ``4 (p-1)/p n``; backward, the gradient of the output out and those of q, k, v
-    back: the same (n: a shard's bytes)."""
-    n = numel * torch.empty((), dtype=dtype).element_size()
-    return 4 * (p - 1) * n // p, 4 * (p - 1) * n // p
