@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .base import Optimizer
-from .pieces import adam_moments_, adam_step_, coupled_weight_decay, decoupled_weight_decay_
+from .pieces import adam_step_, decayed_adam_moments_
 
 __all__ = ["Adam", "AdamW"]
 
@@ -72,19 +72,16 @@ class Adam(Optimizer):
             \frac{m_t}{\sqrt{\hat v_t / (1-\beta_2^t)} + \epsilon}
         """
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
-        lam = group["weight_decay"]
+        lam, decoupled = group["weight_decay"], group["decoupled_weight_decay"]
         m = self.buffer(params, "exp_avg")
         v = self.buffer(params, "exp_avg_sq")
         t = self.count_steps(params)
-        if group["decoupled_weight_decay"]:
-            decoupled_weight_decay_(params, lr, lam)
-        else:
-            grads = coupled_weight_decay(grads, params, lam)
-        adam_moments_(m, v, grads, beta1, beta2)
-        # Free the weight-decayed copy of g before denom is allocated, as torch.optim does:
-        # denom then reuses its memory instead of touching fresh pages (benchmarks/README.md
-        # measures what that saves).
-        del grads
+        # The weight-decayed copy of g it returns is dropped at once, before denom is
+        # allocated, as torch.optim frees it: denom then reuses its memory instead of touching
+        # fresh pages (benchmarks/README.md measures what that saves).
+        decayed_adam_moments_(
+            params, grads, m, v, beta1, beta2, lr=lr, lam=lam, decoupled=decoupled
+        )
         if group["amsgrad"]:
             v_max = self.buffer(params, "max_exp_avg_sq")
             torch._foreach_maximum_(v_max, v)

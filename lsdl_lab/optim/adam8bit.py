@@ -52,20 +52,19 @@ import torch
 from torch import Tensor
 
 from .._util import check_int
-from ..memory.quantize import BLOCK_SIZE, dequantize_blockwise, dynamic_map, quantize_blockwise
-from .base import Optimizer
-from .pieces import (
-    adam_denominator,
-    adam_moments_,
-    addcdiv_,
-    coupled_weight_decay,
-    decoupled_weight_decay_,
+from ..memory.quantize import (
+    BLOCK_SIZE,
+    MIN_8BIT_SIZE,
+    dequantize_blockwise,
+    dynamic_map,
+    quantize_blockwise,
 )
+from .base import Optimizer
+from .pieces import adam_step_, decayed_adam_moments_
 
+# MIN_8BIT_SIZE, the fewest values a parameter needs for 8-bit states, is the quantization's
+# (lsdl_lab.memory.quantize, which the memory calculator reads too); re-exported here
 __all__ = ["Adam8bit", "AdamW8bit", "MIN_8BIT_SIZE"]
-
-#: the fewest values a parameter needs for 8-bit states (bitsandbytes's ``min_8bit_size``)
-MIN_8BIT_SIZE = 4096
 
 #: the state of a parameter with 8-bit moments: (codes, block scales) of m, then of v
 QUANTIZED = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
@@ -133,17 +132,13 @@ class Adam8bit(Optimizer):
             \tilde v_t = \mathrm{D}(\mathrm{Q}_+(v_t)))
         """
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
-        lam = group["weight_decay"]
+        lam, decoupled = group["weight_decay"], group["decoupled_weight_decay"]
         m, v = self.decoded_moments(group, params)
         t = self.count_steps(params)
-        if group["decoupled_weight_decay"]:
-            decoupled_weight_decay_(params, lr, lam)
-        else:
-            grads = coupled_weight_decay(grads, params, lam)
-        adam_moments_(m, v, grads, beta1, beta2)
-        del grads
-        denom = adam_denominator(v, [1 - beta2**k for k in t], eps)
-        addcdiv_(params, m, denom, [-lr / (1 - beta1**k) for k in t])
+        decayed_adam_moments_(
+            params, grads, m, v, beta1, beta2, lr=lr, lam=lam, decoupled=decoupled
+        )
+        adam_step_(params, m, v, t, lr, beta1, beta2, eps)
         self.encode_moments(group, params, m, v)
 
     def decoded_moments(self, group, params) -> tuple[list[Tensor], list[Tensor]]:

@@ -27,14 +27,7 @@ import torch
 from .._util import check_nonnegative
 from .base import Optimizer
 from .compiled import computed_once
-from .pieces import (
-    adam_denominator,
-    adam_moments_,
-    addcdiv_,
-    coupled_weight_decay,
-    decoupled_weight_decay_,
-    host_scalars,
-)
+from .pieces import adam_denominator, addcdiv_, decayed_adam_moments_, host_scalars
 
 __all__ = ["NAdam"]
 
@@ -98,11 +91,10 @@ class NAdam(Optimizer):
         m = self.buffer(params, "exp_avg")
         v = self.buffer(params, "exp_avg_sq")
         t = self.count_steps(params)
-        if group["decoupled_weight_decay"]:
-            decoupled_weight_decay_(params, lr, lam)
-        else:
-            grads = coupled_weight_decay(grads, params, lam)
-        adam_moments_(m, v, grads, beta1, beta2)
+        decoupled = group["decoupled_weight_decay"]
+        grads = decayed_adam_moments_(
+            params, grads, m, v, beta1, beta2, lr=lr, lam=lam, decoupled=decoupled
+        )
         mu = [beta1 * (1.0 - 0.5 * 0.96 ** (k * psi)) for k in t]
         mu_next = [beta1 * (1.0 - 0.5 * 0.96 ** ((k + 1) * psi)) for k in t]
         mu_product = self.mu_products(params)

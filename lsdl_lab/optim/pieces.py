@@ -10,9 +10,11 @@ the others return new tensors (or, where they say so, update buffers given to th
   Loshchilov and Hutter, 2019).
 * :func:`momentum`: the heavy-ball or Nesterov direction from a momentum buffer (SGD, LARS).
 * :func:`adam_moments_`: Adam's two exponential averages (Adam, NAdam, LAMB).
+* :func:`decayed_adam_moments_`: weight decay, coupled or decoupled, then Adam's moments
+  (Adam and AdamW, NAdam, Adam8bit).
 * :func:`adam_denominator`: :math:`\sqrt{\hat v_t} + \epsilon` (Adam, NAdam, LAMB).
-* :func:`adam_step_`: Adam's bias-corrected step from its moments (Adam and AdamW, the
-  AdamW groups of Muon).
+* :func:`adam_step_`: Adam's bias-corrected step from its moments (Adam and AdamW, Adam8bit,
+  the AdamW groups of Muon).
 
 And the operations whose scalars are per-step values (a learning rate, a bias correction):
 on the compiled path (:mod:`lsdl_lab.optim.compiled`) these are 0-d tensors, which the
@@ -38,6 +40,7 @@ __all__ = [
     "adam_moments_",
     "adam_step_",
     "coupled_weight_decay",
+    "decayed_adam_moments_",
     "decoupled_weight_decay_",
     "host_scalars",
     "momentum",
@@ -134,6 +137,39 @@ def adam_moments_(
     torch._foreach_lerp_(m, grads, 1 - beta1)  # m += (1 - beta1) (g - m)
     torch._foreach_mul_(v, beta2)
     torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
+
+
+def decayed_adam_moments_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    m: list[Tensor],
+    v: list[Tensor],
+    beta1: float,
+    beta2: float,
+    *,
+    lr: float,
+    lam: float,
+    decoupled: bool,
+) -> list[Tensor]:
+    r"""Weight decay, coupled (L2) or ``decoupled`` (Loshchilov and Hutter, 2019), then
+    Adam's moments, in place:
+
+    .. math::
+        g_t &\leftarrow g_t + \lambda\, w_{t-1} \quad\text{(coupled)} \qquad
+        w_{t-1} \leftarrow (1 - \eta\lambda)\, w_{t-1} \quad\text{(decoupled)} \\
+        m_t &= \beta_1 m_{t-1} + (1-\beta_1)\, g_t, \qquad
+        v_t = \beta_2 v_{t-1} + (1-\beta_2)\, g_t^2
+
+    Returns the :math:`g_t` the moments took (a new list when coupled with
+    :math:`\lambda \ne 0`). An update that no longer needs it drops it at once, so that
+    its memory is free for the denominator (torch.optim frees it there too).
+    """
+    if decoupled:
+        decoupled_weight_decay_(params, lr, lam)
+    else:
+        grads = coupled_weight_decay(grads, params, lam)
+    adam_moments_(m, v, grads, beta1, beta2)
+    return grads
 
 
 def adam_denominator(v: list[Tensor], bc2: list[float], eps: float) -> list[Tensor]:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_same_tree
 
+import lsdl_lab.memory.quantize as quantize
 import lsdl_lab.optim.adam8bit as adam8bit
 from lsdl_lab.memory import dequantize_blockwise, dynamic_map, quantize_blockwise
 from lsdl_lab.models import GPT
@@ -101,6 +102,15 @@ def test_state_bytes_per_parameter_are_two_against_adams_eight(device):
         "exp_avg_codes": torch.uint8, "exp_avg_absmax": torch.float32,
         "exp_avg_sq_codes": torch.uint8, "exp_avg_sq_absmax": torch.float32,
     }  # fmt: skip
+
+
+def test_the_defaults_are_the_quantizations_constants():
+    # one threshold and one block size, in lsdl_lab.memory.quantize, which the memory
+    # calculator's count of 8-bit Adam's state reads too; re-exported where documented
+    ours = Adam8bit([torch.zeros(3, requires_grad=True)])
+    assert ours.defaults["min_8bit_size"] == quantize.MIN_8BIT_SIZE == 4096
+    assert ours.defaults["block_size"] == quantize.BLOCK_SIZE == 2048
+    assert adam8bit.MIN_8BIT_SIZE is quantize.MIN_8BIT_SIZE
 
 
 def test_the_gpts_state_bytes_by_tensor():
