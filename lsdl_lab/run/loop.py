@@ -221,7 +221,7 @@ class RunCheckpoint(Checkpoint):
 
     ``blocked[step]`` is the time the save after ``step`` held this rank's training."""
 
-    def __init__(self, path, state, model, optimizer, scheduler, step, config, world):
+    def __init__(self, *, path, state, model, optimizer, scheduler, step, config, world):
         self.path, self.state, self.config, self.world = path, state, config, world
         self.model, self.optimizer, self.scheduler, self.step = model, optimizer, scheduler, step
         self.pending, self.blocked, self.group = None, {}, None
@@ -381,8 +381,9 @@ class _Records:
     gathered), appended to ``metrics.jsonl`` by rank 0. Every rank calls it after every
     step (the gathering is a collective)."""
 
-    def __init__(self, config, world, rank, model, optimizer, counter, scaler, path, state,
-                 blocked):  # fmt: skip
+    def __init__(
+        self, *, config, world, rank, model, optimizer, counter, scaler, path, state, blocked
+    ):
         self.config, self.world, self.model, self.optimizer = config, world, model, optimizer
         self.counter, self.scaler, self.blocked = counter, scaler, blocked
         start = state["step"] if state is not None else 0
@@ -469,7 +470,16 @@ def _run(config: Config, rank: int, world: int, where: Placement, why: str) -> l
         around=counter.counting,
         faults=batches.poisoned,
     )
-    checkpoint = RunCheckpoint(path, state, model, optimizer, scheduler, step, config, world)
+    checkpoint = RunCheckpoint(
+        path=path,
+        state=state,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        step=step,
+        config=config,
+        world=world,
+    )
     start = state["step"] if state is not None else 0
     if state is not None:
         _say(
@@ -482,9 +492,17 @@ def _run(config: Config, rank: int, world: int, where: Placement, why: str) -> l
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG).write_text(config.to_yaml())
     records = _Records(
-        config, world, rank, model, optimizer, counter, scaler, out / METRICS, state,
-        checkpoint.blocked,
-    )  # fmt: skip
+        config=config,
+        world=world,
+        rank=rank,
+        model=model,
+        optimizer=optimizer,
+        counter=counter,
+        scaler=scaler,
+        path=out / METRICS,
+        state=state,
+        blocked=checkpoint.blocked,
+    )
     fit(
         model,
         optimizer,
