@@ -83,13 +83,19 @@ of a subclass defined outside this package: the direct call is an optimization, 
 second semantics. Its test (``tests/optim/test_compiled.py``) requires every optimizer of
 the package to take it from its third step on, so a torch that breaks either interface
 fails the test rather than falling back unseen. (On a torch before 2.13, the recompile
-limit above is the one other private setting, and its test is the same file's, on the floor
+limit above is one more private setting, and its test is the same file's, on the floor
 torch.)
 
 Where compiling is impossible (no C++ compiler for TorchInductor's CPU kernels, a
 platform torch.compile does not support, an operation the tracer rejects, an optimizer
 whose step is not a per-group ``update``), the optimizer warns once, with the reason
 (:class:`CompileWarning`), and runs its eager update: the same results, never a crash.
+Telling such a failure from an error of the update itself (:func:`is_compile_error`) takes
+one more private name, ``torch._dynamo.exc.TorchDynamoException``: torch's public
+interface (``torch.compiler``, as of 2.13) exports no exception class, and dynamo raises
+every failure of torch.compile as a subclass of this one, its own (tracing) and its
+backend's (TorchInductor's ``InductorError``, which carries a C++ compiler's error), on
+every torch the package supports.
 """
 
 from __future__ import annotations
@@ -454,15 +460,11 @@ def step_counts(steps: array, device) -> tuple[list[Tensor] | Tensor, Tensor]:
 
 def is_compile_error(error: Exception) -> bool:
     """Whether ``error`` came from compiling (tracing, lowering, the C++ compiler) rather
-    than from the update itself: only those fall back to the eager update."""
-    kinds = (torch._dynamo.exc.TorchDynamoException,)
-    try:
-        from torch._inductor.exc import InductorError
-
-        kinds += (InductorError,)
-    except ImportError:  # an older torch: its compiler errors are dynamo's
-        pass
-    return isinstance(error, kinds)
+    than from the update itself: only those fall back to the eager update (which raises an
+    error of the update again). Dynamo's base class is private; torch.compile has no
+    public one (see the module's text). TorchInductor's ``InductorError`` is one of its
+    subclasses (checked on the floor torch, 2.9, and on 2.13)."""
+    return isinstance(error, torch._dynamo.exc.TorchDynamoException)
 
 
 def describe(error: Exception) -> str:

@@ -113,8 +113,8 @@ class LARS(Optimizer):
             # The norms first, from g itself: d is then built in the gradient's own memory, as
             # pytorch-optimizer's LARS does (and torch.optim's Nesterov SGD), since a fresh
             # copy the size of the model every step cost more than both norms together
-            # (benchmarks/README.md). All layers' ratios in one multi-tensor pass: computed
-            # layer by layer they cost 50 us a layer on the labs' models.
+            # (benchmarks/README.md). All layers' ratios in one multi-tensor pass (a few
+            # kernels for the whole model), not a pass of its own per layer.
             tau = trust_ratio(
                 params, grads, trust_coefficient=group["trust_coefficient"],
                 weight_decay=lam, eps=group["eps"],
