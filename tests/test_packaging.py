@@ -1,8 +1,10 @@
 """lsdl_lab installs with pip without touching an installed torch (Colab keeps its own)."""
 
 import json
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -58,8 +60,30 @@ def test_pip_install_from_a_git_url():
     assert pip_dry_run(f"git+file://{ROOT}") == ["lsdl_lab"]
 
 
-def test_the_wheel_holds_every_module(tmp_path):
-    """A regular (non-editable) install, as in Colab, must include every subpackage."""
+def source_files() -> list[str]:
+    """The checkout's files as git sees them, relative to the root: tracked (as they are in
+    the working tree, edits included, deletions left out) and untracked but not ignored (a
+    module not yet added); not the ignored ones (a stale ``build/``, caches)."""
+    proc = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"git ls-files failed: {proc.stderr.strip()[:200]}")
+    return sorted({name for name in proc.stdout.split("\0") if (ROOT / name).is_file()})
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs a git checkout")
+def test_the_wheel_holds_every_module_and_nothing_else(tmp_path):
+    """A regular (non-editable) install, as in Colab, holds exactly the package's modules.
+    The wheel is built from a copy of the checkout's files alone: built in the checkout,
+    setuptools would also pack whatever an ignored, stale ``build/lib`` holds (modules
+    since removed or renamed)."""
+    source, out = tmp_path / "source", tmp_path / "wheel"
+    for name in source_files():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
     proc = subprocess.run(
         [
             sys.executable,
@@ -70,20 +94,23 @@ def test_the_wheel_holds_every_module(tmp_path):
             "--no-build-isolation",
             "--quiet",
             "-w",
-            str(tmp_path),
-            str(ROOT),
+            str(out),
+            str(source),
         ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (wheel,) = tmp_path.glob("lsdl_lab-*.whl")
-    import zipfile
-
-    names = set(zipfile.ZipFile(wheel).namelist())
-    for path in (ROOT / "lsdl_lab").rglob("*.py"):
-        assert str(path.relative_to(ROOT)) in names, path
+    (wheel,) = out.glob("lsdl_lab-*.whl")
+    packed = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("lsdl_lab/")}
+    packed = {n for n in packed if n.endswith(".py")}
+    tree = {str(p.relative_to(source)) for p in (source / "lsdl_lab").rglob("*.py")}
+    assert len(tree) > 50 and "lsdl_lab/optim/adam.py" in tree
+    assert packed == tree, (
+        f"in the wheel, not in the tree: {sorted(packed - tree)}; "
+        f"in the tree, not in the wheel: {sorted(tree - packed)}"
+    )
 
 
 def test_every_module_is_reachable_as_an_attribute():

@@ -6,7 +6,10 @@ attention, the token dispatch against lsdl_lab.moe.route."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +24,22 @@ from lsdl_lab.moe import route
 # --- the all-to-all ---------------------------------------------------------------------
 
 
-def forgets_its_own_block(output, input, output_split_sizes, input_split_sizes, group=None):
+def pairwise_exchange(output, input, output_split_sizes, input_split_sizes, group=None, bug=None):
+    """lab10.all_to_all's pairwise exchange with one planted ``bug`` (None: none):
+    ``"own block"`` forgets to copy the rank's own block; ``"swapped splits"`` cuts the
+    input by the output's sizes and the output by the input's; ``"wrong source"`` receives
+    at step s from r + s, which is sending to r + 2s: a deadlock at p = 3."""
     r, p = dist.get_rank(group), dist.get_world_size(group)
+    if bug == "swapped splits":
+        input_split_sizes, output_split_sizes = output_split_sizes, input_split_sizes
     sends = input.split(list(input_split_sizes))
     receives = output.split(list(output_split_sizes))
+    if bug != "own block":
+        receives[r].copy_(sends[r])
     for s in range(1, p):
         to, source = (r + s) % p, (r - s) % p
+        if bug == "wrong source":
+            source = to
         ops = []
         if sends[to].numel():
             ops.append(dist.P2POp(dist.isend, sends[to].contiguous(), to, group))
@@ -35,6 +48,23 @@ def forgets_its_own_block(output, input, output_split_sizes, input_split_sizes, 
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
     return output
+
+
+def with_bug(bug: str | None, folder: Path):
+    """:func:`pairwise_exchange` with ``bug`` planted as its default, as a function of its
+    own, named after the bug, in a file of ``folder``: the checker sends the ranks a
+    function's source alone and calls it with four arguments."""
+    name = "no_bug" if bug is None else bug.replace(" ", "_")
+    source = inspect.getsource(pairwise_exchange)
+    for old, new in (("def pairwise_exchange(", f"def {name}("), ("bug=None", f"bug={bug!r}")):
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    path = folder / f"{name}.py"
+    path.write_text(f"import torch.distributed as dist\n\n\n{source}")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
 
 
 def sends_everything(output, input, output_split_sizes, input_split_sizes, group=None):
@@ -70,42 +100,6 @@ def sends_everything(output, input, output_split_sizes, input_split_sizes, group
     return output
 
 
-def swaps_the_splits(output, input, output_split_sizes, input_split_sizes, group=None):
-    """Cuts the input by the output's sizes and the output by the input's."""
-    r, p = dist.get_rank(group), dist.get_world_size(group)
-    sends = input.split(list(output_split_sizes))
-    receives = output.split(list(input_split_sizes))
-    receives[r].copy_(sends[r])
-    for s in range(1, p):
-        to, source = (r + s) % p, (r - s) % p
-        ops = []
-        if sends[to].numel():
-            ops.append(dist.P2POp(dist.isend, sends[to].contiguous(), to, group))
-        if receives[source].numel():
-            ops.append(dist.P2POp(dist.irecv, receives[source], source, group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-    return output
-
-
-def receives_from_the_wrong_rank(output, input, output_split_sizes, input_split_sizes, group=None):
-    """At step s receives from r + s, which is sending to r + 2s: a deadlock at p = 3."""
-    r, p = dist.get_rank(group), dist.get_world_size(group)
-    sends = input.split(list(input_split_sizes))
-    receives = output.split(list(output_split_sizes))
-    receives[r].copy_(sends[r])
-    for s in range(1, p):
-        to = (r + s) % p
-        ops = []
-        if sends[to].numel():
-            ops.append(dist.P2POp(dist.isend, sends[to].contiguous(), to, group))
-        if receives[to].numel():
-            ops.append(dist.P2POp(dist.irecv, receives[to], to, group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-    return output
-
-
 def uses_the_built_in(output, input, output_split_sizes, input_split_sizes, group=None):
     dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
     return output
@@ -115,15 +109,17 @@ def stub(output, input, output_split_sizes, input_split_sizes, group=None):
     raise NotImplementedError("Exercise: write your solution here")
 
 
-def test_all_to_all_checker_accepts_the_reference(capsys):
-    check.checker("lab10.all_to_all")(lab10.all_to_all)
-    out = capsys.readouterr().out
-    assert "equals dist.all_to_all_single at world 3 on 3 cases" in out
+def test_all_to_all_checker_accepts_the_reference(capsys, tmp_path):
+    # and the planted-bug exchange without its bug: each bug below is then what fails
+    for fn in (lab10.all_to_all, with_bug(None, tmp_path)):
+        check.checker("lab10.all_to_all")(fn)
+        out = capsys.readouterr().out
+        assert "equals dist.all_to_all_single at world 3 on 3 cases" in out
 
 
-def test_all_to_all_checker_rejects_a_rank_that_forgets_its_own_block():
+def test_all_to_all_checker_rejects_a_rank_that_forgets_its_own_block(tmp_path):
     with pytest.raises(CheckFailed, match="every block is right but the rank's own"):
-        check.checker("lab10.all_to_all")(forgets_its_own_block)
+        check.checker("lab10.all_to_all")(with_bug("own block", tmp_path))
 
 
 def test_all_to_all_checker_rejects_sending_the_whole_input():
@@ -132,17 +128,17 @@ def test_all_to_all_checker_rejects_sending_the_whole_input():
         check.checker("lab10.all_to_all")(sends_everything)
 
 
-def test_all_to_all_checker_rejects_swapped_splits():
+def test_all_to_all_checker_rejects_swapped_splits(tmp_path):
     with pytest.raises(
         CheckFailed, match=r"(differs from dist\.all_to_all_single|input_split_sizes)"
     ):
-        check.checker("lab10.all_to_all")(swaps_the_splits)
+        check.checker("lab10.all_to_all")(with_bug("swapped splits", tmp_path))
 
 
-def test_all_to_all_checker_names_a_deadlock(monkeypatch):
+def test_all_to_all_checker_names_a_deadlock(monkeypatch, tmp_path):
     monkeypatch.setattr(lab10, "A2A_TIMEOUT", 2.0)
     with pytest.raises(CheckFailed, match="receives from r - s"):
-        check.checker("lab10.all_to_all")(receives_from_the_wrong_rank)
+        check.checker("lab10.all_to_all")(with_bug("wrong source", tmp_path))
 
 
 def test_all_to_all_checker_rejects_the_built_in_and_the_stub():
