@@ -10,6 +10,7 @@ all-reduces of a tensor-parallel forward. ::
     with counter:
         loss.backward()  # DDP's hook all-reduces the gradients
     counter.bytes        # 4 d on every rank, for d float32 gradients
+    counter.calls        # [Call("all_reduce", bytes=4 d, group_size=p)]: one per call
 
 **What it counts.** For each call, the bytes of the tensor this rank *hands* to the
 collective, :math:`\text{numel} \times \text{element size}` (a packed payload of uint8
@@ -34,10 +35,15 @@ counts :math:`4n`), not the traffic on a link: a ring all-reduce puts about
 :math:`p - 1` times (Chapter 7's cost model). Every process group counts, and so does
 an ``async_op=True`` call (when it is made, not when it completes).
 
+Each call is also kept, in order, in :attr:`CollectiveBytes.calls`: the collective's name,
+the bytes handed and the size of its process group, from which a formula of the traffic on
+the links (Chapter 10's ring bytes, say) is computed without a second counter.
+
 **Which calls it sees.** Those made from Python through ``torch.distributed``'s module
-attributes (``dist.all_reduce(...)``) while a counter's block is open: the block rebinds
-those attributes to counting wrappers and restores torch's functions when the last open
-block closes. That covers DDP's Python communication hooks (torch's
+attributes (``dist.all_reduce(...)``) or those of the module that defines them,
+``torch.distributed.distributed_c10d``, while a counter's block is open: the block rebinds
+those attributes in both modules to counting wrappers and restores torch's functions when
+the last open block closes. That covers DDP's Python communication hooks (torch's
 ``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``powerSGD_hook`` and the hooks
 of :mod:`lsdl_lab.compress`), :class:`~lsdl_lab.memory.ZeroOptimizer`, FSDP2 and the
 library's code that calls them (the tensor-parallel layers, for one). It does not see
@@ -48,13 +54,13 @@ library's collectives built from them (:mod:`lsdl_lab.distributed.collectives`: 
 the trees, the all-to-all) are counted by :class:`SentMessages`; nor a caller that bound
 the function to a name of its own before the block opened
 (``from torch.distributed import all_reduce``).
-Where torch 2.13 has both names of a flat collective, both are counted: the deprecated one
-calls the new one inside torch, past the wrapper, so a call counts once either way.
+A call counts once: a counted function that torch calls while running another (2.13's
+deprecated flat name calls the new one, ``send`` calls ``isend``) is not counted again.
 
 :class:`SentMessages` counts, the same way, the point-to-point messages a rank sends
 (``send``, ``isend``, and the ``isend`` operations handed to ``batch_isend_irecv``): the
 messages of the collectives Chapter 7 builds by hand, and of a student's ring, whose
-checker it can also forbid the built-in collectives.
+checker it can also forbid the built-in collectives, under both of their names.
 
 **Blocks.** Bytes accumulate over every block of a counter (a run opens its counter
 around each step and reads the total). Blocks of *different* counters may nest or
@@ -69,6 +75,7 @@ import contextlib
 import functools
 import threading
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -77,54 +84,104 @@ __all__ = [
     "BUILT_IN_COLLECTIVES",
     "COUNTED",
     "BuiltInCollective",
+    "Call",
     "CollectiveBytes",
     "SentMessages",
 ]
 
-# collective -> (position, keyword) of the tensor this rank hands to it; the flat forms
-# under each name this torch has (see the module's docstring)
+# torch.distributed re-exports the functions of the module that defines them: a block
+# rebinds both names, so that neither goes round it
+_C10D = dist.distributed_c10d
+_MODULES = (dist, _C10D)
+
+# collective -> (position, keyword) of the tensor this rank hands to it, position of its
+# group; the flat forms under each name this torch has (see the module's docstring)
 _INPUTS = {
-    "all_reduce": (0, "tensor"),
-    "broadcast": (0, "tensor"),
-    "all_gather": (1, "tensor"),
-    "all_gather_single": (1, "input_tensor"),
-    "all_gather_into_tensor": (1, "input_tensor"),
-    "reduce_scatter_single": (1, "input"),
-    "reduce_scatter_tensor": (1, "input"),
-    "all_to_all_single": (1, "input"),
-    "all_to_all": (1, "input_tensor_list"),  # a list: all of its tensors
+    "all_reduce": (0, "tensor", 2),
+    "broadcast": (0, "tensor", 2),
+    "all_gather": (1, "tensor", 2),
+    "all_gather_single": (1, "input_tensor", 2),
+    "all_gather_into_tensor": (1, "input_tensor", 2),
+    "reduce_scatter_single": (1, "input", 3),
+    "reduce_scatter_tensor": (1, "input", 3),
+    "all_to_all_single": (1, "input", 4),
+    "all_to_all": (1, "input_tensor_list", 2),  # a list: all of its tensors
 }
 COUNTED = tuple(name for name in _INPUTS if hasattr(dist, name))
 """The names of the ``torch.distributed`` functions a counter sees, on this torch."""
 
 _open: list[CollectiveBytes] = []  # the counters whose blocks are open
-_torchs: dict = {}  # torch.distributed's own functions, while a block is open
+_torchs: dict = {}  # (module, name) -> torch's own function, while a block is open
 _lock = threading.Lock()
+_calling = threading.local()  # .active: a counted function runs on this thread
 
 
-def _counting(name: str, fn):
-    position, keyword = _INPUTS[name]
+def _once(fn, count):
+    """``fn``, which first calls ``count(*args, **kwargs)``, unless it is called while
+    another counted function runs on this thread (torch's call of one from another)."""
 
     @functools.wraps(fn)
     def counted(*args, **kwargs):
-        handed = args[position] if len(args) > position else kwargs[keyword]
-        tensors = handed if isinstance(handed, list | tuple) else [handed]
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        for counter in tuple(_open):
-            counter.bytes += nbytes
-        return fn(*args, **kwargs)
+        if getattr(_calling, "active", False):
+            return fn(*args, **kwargs)
+        count(*args, **kwargs)
+        _calling.active = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _calling.active = False
 
     return counted
+
+
+def _rebind(saved: dict, functions: dict) -> None:
+    """Set each ``name`` of ``functions`` in both modules, keeping torch's in ``saved``."""
+    for name, fn in functions.items():
+        for module in _MODULES:
+            saved[module, name] = getattr(module, name)
+            setattr(module, name, fn)
+
+
+def _restore(saved: dict) -> None:
+    for (module, name), fn in saved.items():
+        setattr(module, name, fn)
+    saved.clear()
+
+
+class Call(NamedTuple):
+    """One call a :class:`CollectiveBytes` counted."""
+
+    name: str  # the collective, as torch.distributed names it ("all_reduce")
+    bytes: int  # numel * element_size of what this rank handed it
+    group_size: int  # the ranks of its process group
+
+
+def _counting(name: str, fn):
+    position, keyword, group_at = _INPUTS[name]
+
+    def count(*args, **kwargs) -> None:
+        handed = args[position] if len(args) > position else kwargs[keyword]
+        tensors = handed if isinstance(handed, list | tuple) else [handed]
+        group = args[group_at] if len(args) > group_at else kwargs.get("group")
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        call = Call(name, nbytes, dist.get_world_size(group))
+        for counter in tuple(_open):
+            counter.bytes += call.bytes
+            counter.calls.append(call)
+
+    return _once(fn, count)
 
 
 class CollectiveBytes(contextlib.AbstractContextManager):
     """Counts, in :attr:`bytes`, the bytes this rank hands to ``torch.distributed``'s
     collectives inside its ``with`` blocks: ``numel * element_size`` of the tensor each call
     is given, for the calls made through the module's attributes from Python (see the
-    module's docstring for which collectives, which tensor and what it cannot see)."""
+    module's docstring for which collectives, which tensor and what it cannot see).
+    :attr:`calls` keeps each call, in order: a :class:`Call` (name, bytes, group size)."""
 
     def __init__(self):
         self.bytes = 0
+        self.calls: list[Call] = []
 
     def __enter__(self) -> CollectiveBytes:
         with _lock:
@@ -134,9 +191,7 @@ class CollectiveBytes(contextlib.AbstractContextManager):
                     "block needs a counter of its own"
                 )
             if not _open:
-                for name in COUNTED:
-                    _torchs[name] = getattr(dist, name)
-                    setattr(dist, name, _counting(name, _torchs[name]))
+                _rebind(_torchs, {name: _counting(name, getattr(dist, name)) for name in COUNTED})
             _open.append(self)
         return self
 
@@ -144,9 +199,7 @@ class CollectiveBytes(contextlib.AbstractContextManager):
         with _lock:
             _open.remove(self)
             if not _open:
-                for name, fn in _torchs.items():
-                    setattr(dist, name, fn)
-                _torchs.clear()
+                _restore(_torchs)
 
     @contextlib.contextmanager
     def counting(self):
@@ -186,40 +239,28 @@ BUILT_IN_COLLECTIVES = tuple(
     )
     if hasattr(dist, name)
 )
-# torch's own point-to-point functions and P2POp, as imported (SentMessages rebinds the
-# module's attributes inside its block; P2POp accepts only torch's own isend and irecv)
-_SEND, _ISEND, _P2POP = dist.send, dist.isend, dist.P2POp
+# torch's own point-to-point functions, as imported
+_SEND, _ISEND = dist.send, dist.isend
 
 
 class BuiltInCollective(RuntimeError):
     """A built-in collective was called inside a block that forbids them."""
 
 
-def _torch_function(op):
-    """torch's own function for ``op``, which may be a counting wrapper of this module."""
-    return getattr(op, "_lsdl_torchs", op)
-
-
-class _CountedP2POp(_P2POP):
-    """``dist.P2POp`` inside a :class:`SentMessages` block: a P2POp built on the counting
-    ``dist.isend`` is built on torch's own (which P2POp requires)."""
-
-    def __new__(cls, op, tensor, *args, **kwargs):
-        return super().__new__(cls, _torch_function(op), tensor, *args, **kwargs)
-
-    def __init__(self, op, tensor, *args, **kwargs):
-        super().__init__(_torch_function(op), tensor, *args, **kwargs)
-
-
 class SentMessages(contextlib.AbstractContextManager):
     """The point-to-point messages this rank sends inside the ``with`` block: ``numels``
     holds the entries of each, in order, and :attr:`bytes` their total size. Counted:
     ``dist.send``, ``dist.isend`` and every ``dist.P2POp`` of ``isend`` handed to
-    ``dist.batch_isend_irecv``, called through ``torch.distributed``'s attributes (as
+    ``dist.batch_isend_irecv``, called through the attributes of ``torch.distributed`` or
+    of ``torch.distributed.distributed_c10d`` (as
     :class:`~lsdl_lab.distributed.CollectiveBytes` counts the collectives, which it does and
     this does not). With ``forbid=True`` each of :data:`BUILT_IN_COLLECTIVES` raises
-    :class:`BuiltInCollective` inside the block. The block rebinds those attributes of
-    ``torch.distributed`` and restores them when it closes; blocks do not nest."""
+    :class:`BuiltInCollective` inside the block, under both names. The block rebinds those
+    attributes in both modules and restores them when it closes; blocks do not nest.
+
+    Inside the block ``isend`` *is* the counting function, in both modules (torch checks a
+    ``P2POp``'s function against the module's ``isend``, and ``batch_isend_irecv`` runs each
+    op's function, which counts its message): a ``P2POp`` is built and run in one block."""
 
     def __init__(self, forbid: bool = False):
         self.forbid = forbid
@@ -227,33 +268,13 @@ class SentMessages(contextlib.AbstractContextManager):
         self.bytes = 0
         self._saved: dict = {}
 
-    def _record(self, tensor: torch.Tensor) -> None:
+    def _record(self, tensor: torch.Tensor, *args, **kwargs) -> None:
         self.numels.append(tensor.numel())
         self.bytes += tensor.numel() * tensor.element_size()
 
     def __enter__(self) -> SentMessages:
-        if self._saved or dist.P2POp is not _P2POP:
+        if self._saved or any(m.isend is not _ISEND for m in _MODULES):
             raise RuntimeError("a SentMessages block is already open (blocks do not nest)")
-        names = ("send", "isend", "batch_isend_irecv", "P2POp")
-        names += BUILT_IN_COLLECTIVES if self.forbid else ()
-        self._saved = {name: getattr(dist, name) for name in names}
-        batch = self._saved["batch_isend_irecv"]
-
-        def counting(fn):
-            @functools.wraps(fn)
-            def counted(tensor, *args, **kwargs):
-                self._record(tensor)
-                return fn(tensor, *args, **kwargs)
-
-            counted._lsdl_torchs = fn
-            return counted
-
-        @functools.wraps(batch)
-        def batch_counted(p2p_op_list):
-            for op in p2p_op_list:
-                if op.op is _ISEND:
-                    self._record(op.tensor)
-            return batch(p2p_op_list)
 
         def forbidden(name):
             def call(*args, **kwargs):
@@ -265,13 +286,11 @@ class SentMessages(contextlib.AbstractContextManager):
 
             return call
 
-        dist.send, dist.isend = counting(_SEND), counting(_ISEND)
-        dist.batch_isend_irecv, dist.P2POp = batch_counted, _CountedP2POp
+        functions = {"send": _once(_SEND, self._record), "isend": _once(_ISEND, self._record)}
         for name in BUILT_IN_COLLECTIVES if self.forbid else ():
-            setattr(dist, name, forbidden(name))
+            functions[name] = forbidden(name)
+        _rebind(self._saved, functions)
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved = {}
+        _restore(self._saved)

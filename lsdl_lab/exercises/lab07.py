@@ -88,10 +88,12 @@ def ring_inputs(rank: int, world_size: int, n: int) -> tuple[torch.Tensor, torch
 
 def run_student_ring(rank, world_size, source: str, name: str, sizes) -> list[dict]:
     """Worker: define the student's function from ``source`` and run it on the float64
-    tensors of :func:`ring_inputs` of each size, the built-in collectives forbidden and
-    the messages it sends counted (:class:`SentMessages`). For each size: the largest
-    error against the sum, whether the result is the input tensor changed in place, the
-    result itself, and the entries of each message this rank sent."""
+    tensors of :func:`ring_inputs` of each size, the built-in collectives forbidden (by
+    ``torch.distributed``'s names and by those of ``torch.distributed.distributed_c10d``,
+    which defines them) and the messages it sends counted (:class:`SentMessages`). For
+    each size: the largest error against the sum, whether the result is the input tensor
+    changed in place, the result itself, and the entries of each message this rank
+    sent."""
     namespace = {"torch": torch, "dist": dist, "math": math}
     exec(compile(source, f"<{name}>", "exec"), namespace)  # noqa: S102 -- the student's code
     fn = namespace[name]

@@ -1,6 +1,8 @@
 """lsdl_lab.distributed.traffic: CollectiveBytes against the formulas on a real gloo world of
-2 (each collective counts numel * element_size of the tensor this rank hands it, once), and
-its blocks in one process (reopening refused, nesting, torch's functions restored)."""
+2 (each collective counts numel * element_size of the tensor this rank hands it, once, and
+keeps a record of the call), under both of torch's names of a collective, and its blocks in
+one process (reopening refused, nesting, torch's functions restored); SentMessages under
+both names, forbidding the collectives under both."""
 
 import pytest
 import torch.distributed as dist
@@ -50,6 +52,22 @@ def test_every_collective_counts_the_bytes_this_rank_hands_it(ranks):
         assert counts["library all_to_all moves"]
 
 
+def test_each_call_is_recorded_with_its_bytes_and_group_size(ranks):
+    for counts, _ in ranks:
+        recorded = {name: calls for name, calls, _ in counts["calls"]}  # each name's last
+        assert set(recorded) == {n for n in COUNTED if n in counts}
+        for name, calls, nbytes in counts["calls"]:
+            # one call: the collective's own name, the bytes counted, the world's size
+            assert calls == [(name, nbytes, W)], name
+        assert recorded["all_reduce"] == [("all_reduce", 2 * N, W)]  # the float16 async one
+        assert recorded["broadcast"] == [("broadcast", 4 * N, W)]
+        assert recorded["all_gather"] == [("all_gather", 4 * N, W)]
+        assert recorded["all_to_all_single"] == [("all_to_all_single", 4 * W * N, W)]
+        # the group given by position and by keyword: a group of this rank alone
+        alone = [("all_reduce", 4 * N, 1), ("all_reduce", 8 * N, 1)]
+        assert counts["calls in a group of 1"] == alone
+
+
 def test_nothing_is_counted_outside_a_block_and_blocks_nest(ranks):
     for _, blocks in ranks:
         assert blocks["one block"] == 4 * N  # not the calls before and after it
@@ -60,6 +78,17 @@ def test_nothing_is_counted_outside_a_block_and_blocks_nest(ranks):
         assert blocks["restored"]
         # what it cannot see: a function bound to a name of its own before the block
         assert blocks["bound before the block"] == 0
+
+
+def test_both_names_of_a_function_are_counted_and_forbidden(ranks):
+    for _, blocks in ranks:
+        # torch.distributed.distributed_c10d's names, where torch.distributed's come from
+        assert blocks["distributed_c10d"] == (4 * N + 4 * N, ["all_reduce", "all_gather"])
+        assert blocks["forbidden by distributed_c10d"]
+        # send (which calls isend inside torch 2.13: counted once), isend, a P2POp of isend
+        # in batch_isend_irecv, all by distributed_c10d's names: delivered and counted
+        assert blocks["messages by distributed_c10d"] == [True, True, True, [N, 2 * N, 3 * N]]
+        assert blocks["restored"]  # in both modules
 
 
 def test_the_collectives_it_sees():

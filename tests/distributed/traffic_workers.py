@@ -10,20 +10,24 @@ import torch.distributed as dist
 
 from lsdl_lab.distributed import CollectiveBytes
 from lsdl_lab.distributed.collectives import all_to_all
-from lsdl_lab.distributed.traffic import COUNTED, SentMessages
+from lsdl_lab.distributed.traffic import COUNTED, BuiltInCollective, SentMessages
 
 N = 1000  # entries this rank hands to each collective (a world's worth for reduce-scatter)
 FLAT_GATHERS = ("all_gather_single", "all_gather_into_tensor")
 FLAT_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
 
 
+CALLS: list = []  # (name, the counter's calls, its bytes) for each _counted
+
+
 def _counted(name: str, *args, **kwargs) -> int:
     """The bytes a counter counts for ``dist.<name>(*args, **kwargs)``, completed (looked up
-    in the block, as callers of ``dist.<name>`` do)."""
+    in the block, as callers of ``dist.<name>`` do); its record of calls kept in CALLS."""
     with CollectiveBytes() as counter:
         work = getattr(dist, name)(*args, **kwargs)
         if work is not None:  # async_op=True
             work.wait()
+    CALLS.append((name, [tuple(c) for c in counter.calls], counter.bytes))
     return counter.bytes
 
 
@@ -75,6 +79,13 @@ def every_collective(rank, world_size) -> dict:
         all_to_all(output, blocks)
     out["library all_to_all"] = (counter.bytes, messages.bytes, messages.numels)
     out["library all_to_all moves"] = torch.equal(output, expected)
+    # each counted call's record: (collective, bytes, group size), the group by position
+    out["calls"] = CALLS
+    groups = [dist.new_group([r]) for r in range(w)]  # every rank makes every group
+    with CollectiveBytes() as counter:
+        dist.all_reduce(torch.ones(N), dist.ReduceOp.SUM, groups[rank])  # a group of 1
+        dist.all_reduce(torch.ones(2 * N), group=groups[rank])
+    out["calls in a group of 1"] = [tuple(c) for c in counter.calls]
     return out
 
 
@@ -115,5 +126,47 @@ def blocks(rank, world_size) -> dict:
     with CollectiveBytes() as unseen:
         bound(torch.ones(N))
     out["bound before the block"] = unseen.bytes
-    out["restored"] = all(getattr(dist, n) is fn for n, fn in torch_functions.items())
+    # the module that defines the collectives: its names are counted, and forbidden
+    c10d = dist.distributed_c10d
+    with CollectiveBytes() as by_c10d:
+        c10d.all_reduce(torch.ones(N))
+        c10d.all_gather([torch.empty(N) for _ in range(world_size)], torch.ones(N))
+    out["distributed_c10d"] = (by_c10d.bytes, [c.name for c in by_c10d.calls])
+    with SentMessages(forbid=True) as messages:
+        try:
+            c10d.all_reduce(torch.ones(N))
+            out["forbidden by distributed_c10d"] = False
+        except BuiltInCollective:
+            out["forbidden by distributed_c10d"] = True
+        out["messages by distributed_c10d"] = _exchange(rank, c10d)
+    out["messages by distributed_c10d"] += [messages.numels]
+    out["restored"] = all(
+        getattr(module, n) is fn
+        for module in (dist, c10d)
+        for n, fn in {**torch_functions, "send": SEND, "isend": ISEND}.items()
+    )
     return out
+
+
+SEND, ISEND = dist.send, dist.isend
+
+
+def _exchange(rank: int, module) -> list[bool]:
+    """Messages of N, 2N and 3N entries to the other rank of a world of 2, by ``module``'s
+    send, isend and batch_isend_irecv; whether each arrived."""
+    peer = 1 - rank
+    first, second, third = torch.empty(N), torch.empty(2 * N), torch.empty(3 * N)
+    if rank == 0:  # a blocking send: one rank sends first
+        module.send(torch.ones(N), peer)
+        module.recv(first, peer)
+    else:
+        module.recv(first, peer)
+        module.send(torch.ones(N), peer)
+    work = module.isend(torch.ones(2 * N), peer)
+    module.recv(second, peer)
+    work.wait()
+    ops = [module.P2POp(module.isend, torch.ones(3 * N), peer)]
+    ops.append(module.P2POp(module.irecv, third, peer))
+    for work in module.batch_isend_irecv(ops):
+        work.wait()
+    return [bool(t.eq(1).all()) for t in (first, second, third)]

@@ -48,6 +48,12 @@ def uses_the_built_in(tensor, group=None):
     return tensor
 
 
+def uses_the_built_in_by_its_module(tensor, group=None):
+    """torch.distributed's all_reduce, by the name of the module that defines it."""
+    dist.distributed_c10d.all_reduce(tensor, group=group)
+    return tensor
+
+
 def gather_everything(tensor, group=None):
     """Right sums, but every rank sends its whole tensor to every other rank."""
     r, p = dist.get_rank(group), dist.get_world_size(group)
@@ -123,23 +129,35 @@ def test_ring_checker_rejects_more_messages_than_a_ring_sends():
         check.checker("lab07.ring_all_reduce")(ring_in_halves)
 
 
+def test_the_ring_worker_refuses_the_built_in_by_its_modules_name():
+    # refused before any message: the worker runs here, without a world (the checker's
+    # path from BuiltInCollective to CheckFailed is the test above's)
+    source = lab07.ring_source(uses_the_built_in_by_its_module)
+    with pytest.raises(traffic.BuiltInCollective, match=r"dist\.all_reduce is a built-in"):
+        lab07.run_student_ring(0, 3, source, "uses_the_built_in_by_its_module", [4])
+    assert dist.distributed_c10d.all_reduce is dist.all_reduce  # restored after the refusal
+
+
 def test_sent_messages_forbids_counts_and_restores():
     names = ("send", "isend", "batch_isend_irecv", "P2POp", *traffic.BUILT_IN_COLLECTIVES)
-    before = {name: getattr(dist, name) for name in names}
+    modules = (dist, dist.distributed_c10d)
+    before = {(m, name): getattr(m, name) for m in modules for name in names}
     assert "all_reduce" in traffic.BUILT_IN_COLLECTIVES
     with traffic.SentMessages(forbid=True) as sent:
-        with pytest.raises(traffic.BuiltInCollective, match="dist.all_gather is a built-in"):
-            dist.all_gather([torch.zeros(1)], torch.zeros(1))
+        for module in modules:  # under both names
+            with pytest.raises(traffic.BuiltInCollective, match="dist.all_gather is a built-in"):
+                module.all_gather([torch.zeros(1)], torch.zeros(1))
+            # the counting isend in both modules, so that torch's check of a P2POp's op
+            # (against distributed_c10d's isend) accepts it
+            assert module.isend is not before[module, "isend"]
+            assert module.isend is dist.isend and module.send is dist.send
         with pytest.raises(RuntimeError, match="already open"):
             traffic.SentMessages().__enter__()
-        # a P2POp of the counting isend is built on torch's own (without a process group,
-        # building one needs the default group: the op is checked before that)
-        assert issubclass(dist.P2POp, before["P2POp"]) and dist.P2POp is not before["P2POp"]
-        assert dist.isend is not before["isend"]
     assert sent.numels == [] and sent.bytes == 0
-    assert {name: getattr(dist, name) for name in names} == before
+    assert {(m, name): getattr(m, name) for m in modules for name in names} == before
     with traffic.SentMessages() as counting:  # without forbid the collectives are torch's
-        assert dist.all_reduce is before["all_reduce"]
+        assert dist.all_reduce is before[dist, "all_reduce"]
+        assert dist.distributed_c10d.all_reduce is before[dist, "all_reduce"]
     assert counting.bytes == 0
 
 
