@@ -22,11 +22,13 @@ return their argument.
 
 The library applies the caps in two places: the step counter of
 :func:`lsdl_lab.train.fit`, the one training loop (the book's races and workers train
-through it), and the batches of :mod:`lsdl_lab.data` (each batch and evaluation set at
-most ``LSDL_MAX_EXAMPLES`` examples). Every other loop of the library takes its length
-from an argument (a probe's ``steps``, a measurement's ``samples``), and the code that
-picks that length, a lab, a chapter or the book's wing, caps it with :func:`capped_steps`
-and :func:`capped_examples`.
+through it, and read from its history how many steps ran), and the batches of
+:mod:`lsdl_lab.data` (each batch and evaluation set at most ``LSDL_MAX_EXAMPLES``
+examples). What is not training takes its length from an argument (a probe's ``steps``,
+a measurement's ``samples``, a timing's repeats), and the code that picks that length, a
+lab, a chapter or the book's wing, caps it with :func:`capped_steps` and
+:func:`capped_examples` (the book's wing in one place per kind where it can: its timings'
+rounds in :func:`lsdl_lab.book.communication_experiments.timed_rounds`).
 """
 
 from __future__ import annotations
@@ -187,11 +189,25 @@ def dry_run() -> dict[str, int] | None:
 def capped_steps(n: T) -> T:
     """``n`` iterations of a loop, or at most ``$LSDL_MAX_STEPS`` of them in a dry run.
 
-    The identity at every real profile. A loop whose length a lab, a chapter or the
-    book's wing picks goes through it (``for t in range(capped_steps(steps))``, or the
-    length handed to a library function) so that the dry run of
-    ``tests/test_gpu_profile.py`` executes every loop of the ``gpu`` profile briefly;
-    :func:`lsdl_lab.train.fit` caps its own steps."""
+    The identity at every real profile. The dry run of ``tests/test_gpu_profile.py``
+    executes every loop of the ``gpu`` profile briefly; the loops whose length a lab, a
+    chapter or the book's wing picks call this, and only these kinds of loop:
+
+    * the repeats of a timing (the rounds of a measurement kept for its minimum or median:
+      :func:`lsdl_lab.book.communication_experiments.timed_rounds` for the book's wing);
+    * the iterations of a probe or a measurement (power iterations, Lanczos steps, trace
+      samples, the points of a landscape slice or of a grid);
+    * the length handed to a library loop that is not training through fit (the
+      parameter server's protocol, ``overlap_times``' repeats);
+    * the number of steps a caller needs to know *ran*, where it cannot read fit's
+      history (``ran = capped_steps(steps)`` beside a spawned world's training).
+
+    A training loop does not call it: training goes through :func:`lsdl_lab.train.fit`,
+    whose step counter caps the steps, and a caller that needs the count reads it from
+    the history fit returns (``history.train[-1]["step"]``). Two labs still write a loop of
+    optimizer steps by hand, to show an algorithm step by step, and cap it here: Lab 5's
+    training until a target loss (with SAM's closure) and Lab 10's router trained on its
+    balancing loss; no other is to be added."""
     cap = _cap(MAX_STEPS_VAR)
     n = check_int("n", n, 0)
     return n if cap is None else min(n, cap)

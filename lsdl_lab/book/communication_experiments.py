@@ -30,8 +30,12 @@ counter: what this rank hands to the collectives, whichever hook calls them.
 
 In a dry run (:mod:`lsdl_lab.profiles`: ``LSDL_MAX_STEPS``, ``LSDL_MAX_EXAMPLES``, which
 every rank reads from the caller's environment, see :func:`~lsdl_lab.distributed.spawn`)
-``fit`` caps each training's steps; the loops of timed repeats and the sizes of batches
-and evaluation sets that these workers pick are capped here; nothing changes outside one.
+``fit`` caps each training's steps (a worker reads how many ran from its history); the
+caps of the rest apply in few places: :func:`timed_rounds`, the repeats of every timing
+of Chapters 7 and 10; ``_shard``, every batch of the digits; ``_digits``, the test set;
+and the lengths handed to the library's own loops (the parameter server's steps,
+:func:`~lsdl_lab.distributed.local_sgd.overlap_times`' repeats, a pipeline's rows).
+Nothing changes outside a dry run.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -90,6 +95,7 @@ __all__ = [
     "deep_mlp",
     "digits_mlp",
     "digits_resnet",
+    "fastest_rounds",
     "local_sgd_run",
     "overlap_run",
     "overlap_timeline",
@@ -97,7 +103,31 @@ __all__ = [
     "least_squares_loss",
     "model_parallel_run",
     "staleness_run",
+    "timed_rounds",
 ]
+
+T = TypeVar("T")
+
+
+def timed_rounds(measure: Callable[[int], T], repeats: int) -> list[T]:
+    """``[measure(i) for i in range(repeats)]``: the rounds of a timing, of which the
+    caller keeps the minimum or the median. The one place the timings of Chapters 7 and
+    10 take their number of rounds: ``repeats`` (at least 1), at most ``LSDL_MAX_STEPS``
+    in a dry run (:func:`~lsdl_lab.profiles.capped_steps`)."""
+    return [measure(i) for i in range(capped_steps(check_int("repeats", repeats, 1)))]
+
+
+def fastest_rounds(timed: dict[str, Callable], nbytes: Sequence[int], repeats: int) -> dict:
+    """Seconds per call of each of ``timed`` on float32 tensors of each of ``nbytes``
+    bytes: the minimum over ``repeats`` rounds (:func:`timed_rounds`), in each of which
+    every collective is timed once at every size
+    (:func:`~lsdl_lab.distributed.measure_collective`, the slowest rank's time), so that a
+    burst of load from another process hits them alike."""
+    rounds = timed_rounds(
+        lambda _: {name: measure_collective(fn, nbytes, 1) for name, fn in timed.items()},
+        repeats,
+    )
+    return {name: [min(r[name][j] for r in rounds) for j in range(len(nbytes))] for name in timed}
 
 
 def collective_times(rank, world_size, nbytes: Sequence[int], repeats: int = 5) -> dict:
@@ -105,19 +135,13 @@ def collective_times(rank, world_size, nbytes: Sequence[int], repeats: int = 5) 
     the tree and ``dist.all_reduce``: the minimum over ``repeats`` rounds, in each of which
     every algorithm is timed once at every size
     (:func:`~lsdl_lab.distributed.measure_collective`, the slowest rank's time), so that a
-    burst of load from another process hits the three alike. Also the (alpha, beta) fitted
-    to the ring's and the tree's times with their own models, and ``"sent"``, the bytes the
-    busiest rank sends in one ring and one tree all-reduce of each size, counted message by
-    message (:class:`~lsdl_lab.distributed.traffic.SentMessages`; gloo's own all-reduce sends
-    from C++, where nothing counts it)."""
-    repeats = capped_steps(repeats)  # the identity, except in a dry run (lsdl_lab.profiles)
+    burst of load from another process hits the three alike (:func:`fastest_rounds`). Also
+    the (alpha, beta) fitted to the ring's and the tree's times with their own models, and
+    ``"sent"``, the bytes the busiest rank sends in one ring and one tree all-reduce of each
+    size, counted message by message (:class:`~lsdl_lab.distributed.traffic.SentMessages`;
+    gloo's own all-reduce sends from C++, where nothing counts it)."""
     algorithms = {"ring": ring_all_reduce, "tree": tree_all_reduce}
-    timed = {**algorithms, "built-in": dist.all_reduce}
-    rounds = [
-        {name: measure_collective(fn, nbytes, 1) for name, fn in timed.items()}
-        for _ in range(repeats)
-    ]
-    times = {name: [min(r[name][j] for r in rounds) for j in range(len(nbytes))] for name in timed}
+    times = fastest_rounds({**algorithms, "built-in": dist.all_reduce}, nbytes, repeats)
     fits = {
         "ring": fit_alpha_beta(ring_all_reduce_time, world_size, nbytes, times["ring"]),
         "tree": fit_alpha_beta(tree_all_reduce_time, world_size, nbytes, times["tree"]),
@@ -168,7 +192,8 @@ def staleness_run(rank, world_size, staleness: Sequence[int], lr: float, steps: 
     least-squares problem at each staleness bound s, from zero weights: on the server,
     ``{s: {"loss", "max_staleness", "mean_staleness"}}``; ``None`` on the workers.
     Synchronous SGD (:func:`~lsdl_lab.distributed.synchronous_sgd`) is ``"sync"``."""
-    steps = capped_steps(steps)  # the identity, except in a dry run (lsdl_lab.profiles)
+    # the parameter server's own loops: capped here, except outside a dry run
+    steps = capped_steps(steps)
     w0 = torch.zeros(_least_squares()[0].shape[1], dtype=torch.float64)
     out = {}
     w = synchronous_sgd(rank, world_size, w0, least_squares_gradient, lr, steps)
@@ -260,8 +285,8 @@ def _codec_seconds(name: str, rank: int, model: nn.Module, world_size: int) -> f
     grads = [torch.randn_like(p) for p in model.parameters()]
     flat = torch.cat([g.reshape(-1) for g in grads])
     hook, make = _compressor(name.replace(" (torch)", ""), rank)
-    runs = []
-    for _ in range(capped_steps(5)):  # 5, except in a dry run (lsdl_lab.profiles)
+
+    def one_round(_) -> float:
         start = time.perf_counter()
         if make is None:
             flat.half().float()
@@ -275,28 +300,33 @@ def _codec_seconds(name: str, rank: int, model: nn.Module, world_size: int) -> f
             payload = c.compress(flat)
             for _ in range(world_size if hook is allgather_hook else 1):
                 c.decompress(payload)
-        runs.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    runs = timed_rounds(one_round, 5)
     return sorted(runs)[len(runs) // 2]
 
 
 def _shard(x: torch.Tensor, y: torch.Tensor, step: int, batch: int, rank: int, world: int):
-    """This rank's share of global batch ``step`` (``batch`` examples, cycling the data)."""
-    per_rank = batch // world
+    """This rank's share of global batch ``step`` (``batch`` examples, cycling the data):
+    every batch of these workers, at most ``LSDL_MAX_EXAMPLES`` a rank in a dry run."""
+    per_rank = capped_examples(batch // world)
     start = (step * batch + rank * per_rank) % (len(x) - per_rank)
     return x[start : start + per_rank], y[start : start + per_rank]
 
 
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    n = capped_examples(len(y))  # the whole test set, except in a dry run (lsdl_lab.profiles)
     with torch.no_grad(), eval_mode(model):  # BatchNorm by its running statistics
-        return accuracy(model(x[:n]), y[:n]).item()
+        return accuracy(model(x), y).item()
 
 
 def _digits(seed: int):
+    """The digits' training set in the order of ``seed`` (the same on every rank) and the
+    test set: all of it, at most ``LSDL_MAX_EXAMPLES`` examples in a dry run."""
     digits = load_digits()
     g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(digits.train_y), generator=g)  # the same order on every rank
-    return digits.train_x[order], digits.train_y[order], digits.test_x, digits.test_y
+    order = torch.randperm(len(digits.train_y), generator=g)
+    n = capped_examples(len(digits.test_y))
+    return digits.train_x[order], digits.train_y[order], digits.test_x[:n], digits.test_y[:n]
 
 
 def _ddp(model: nn.Module) -> DistributedDataParallel:
@@ -313,20 +343,22 @@ def _ddp(model: nn.Module) -> DistributedDataParallel:
     return DistributedDataParallel(model, bucket_cap_mb=25.0, **NO_BUFFER_SYNC)
 
 
-def _train(ddp, opt, x, y, steps: range, batch: int, rank: int, world_size: int) -> None:
-    """The global steps ``steps`` (a range) of DDP training on this rank's shards:
-    :func:`~lsdl_lab.train.fit` with :func:`~lsdl_lab.train.train_step` (cross-entropy, one
-    optimizer step a batch), fit's step ``t`` the global step ``steps.start + t``."""
+def _train(ddp, opt, x, y, start: int, steps: int, batch: int, rank: int, world_size: int) -> int:
+    """``steps`` global steps of DDP training on this rank's shards from global step
+    ``start``: :func:`~lsdl_lab.train.fit` with :func:`~lsdl_lab.train.train_step`
+    (cross-entropy, one optimizer step a batch), fit's step ``t`` the global step
+    ``start + t``. Returns the steps fit ran (fewer in a dry run, which fit caps)."""
     if not steps:
-        return
-    fit(
+        return 0
+    history = fit(
         ddp,
         opt,
-        lambda t: _shard(x, y, steps.start + t, batch, rank, world_size),
-        len(steps),
+        lambda t: _shard(x, y, start + t, batch, rank, world_size),
+        steps,
         progress=False,
         grad_norm=False,
     )
+    return history.train[-1]["step"]
 
 
 # torch's PowerSGD hook all-reduces uncompressed for at least 2 steps of a new DDP model
@@ -359,19 +391,16 @@ def compression_run(
     the encode + decode time of one step (see :func:`_codec_seconds`)."""
     start_iter = check_int("start_iter", start_iter, FRESH_DDP_STEPS)
     steps = check_int("steps", steps, start_iter + 1)
-    # A dry run (lsdl_lab.profiles) caps the shared and the compressed steps here, as fit
-    # does (the count per step needs the number of compressed steps that ran); the fresh
-    # model's uncompressed steps, which torch's PowerSGD needs, only fit caps: a dry run's
-    # cap of at least FRESH_DDP_STEPS keeps them all. The identity outside a dry run.
-    shared = range(capped_steps(start_iter - FRESH_DDP_STEPS))
-    fresh = range(len(shared), len(shared) + FRESH_DDP_STEPS)
-    compressed = range(fresh.stop, fresh.stop + capped_steps(steps - start_iter))
-    batch = capped_examples(batch)
+    # fit caps each part in a dry run (lsdl_lab.profiles) and says how many steps ran: the
+    # fresh model's uncompressed steps, which torch's PowerSGD needs, all run under a cap
+    # of at least FRESH_DDP_STEPS
     x, y, test_x, test_y = _digits(seed)
     torch.manual_seed(seed)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    _train(_ddp(model), opt, x, y, shared, batch, rank, world_size)
+    shared = _train(
+        _ddp(model), opt, x, y, 0, start_iter - FRESH_DDP_STEPS, batch, rank, world_size
+    )
     warm = copy.deepcopy((model.state_dict(), opt.state_dict()))
     results = {}
     for name in names:
@@ -382,11 +411,13 @@ def compression_run(
         opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
         opt.load_state_dict(warm[1])
         start = time.perf_counter()
-        _train(ddp, opt, x, y, fresh, batch, rank, world_size)
+        fresh = _train(ddp, opt, x, y, shared, FRESH_DDP_STEPS, batch, rank, world_size)
         with CollectiveBytes() as sent:  # the compressed steps only
-            _train(ddp, opt, x, y, compressed, batch, rank, world_size)
+            compressed = _train(
+                ddp, opt, x, y, shared + fresh, steps - start_iter, batch, rank, world_size
+            )
         results[name] = {
-            "bytes_per_step": sent.bytes / len(compressed),
+            "bytes_per_step": sent.bytes / compressed,
             "accuracy": _accuracy(model, test_x, test_y),
             "seconds": time.perf_counter() - start,
             "codec_s": _codec_seconds(name, rank, model, world_size),
@@ -433,9 +464,6 @@ def local_sgd_run(
     to evaluate one model): ceil((steps - warmup) / H) after the warm-up. ``bytes`` is what
     this rank handed to those all-reduces (parameters or gradients in float32), by
     :class:`~lsdl_lab.distributed.CollectiveBytes`."""
-    # the identity, except in a dry run (lsdl_lab.profiles), where fit runs as many steps:
-    # the last average below depends on how many ran
-    steps, batch = capped_steps(steps), capped_examples(batch)
     x, y, test_x, test_y = _digits(seed)
     out = {}
     for period in periods:
@@ -445,7 +473,7 @@ def local_sgd_run(
         averager = PeriodicAverager(model.parameters(), period, warmup_steps)
         start = time.perf_counter()
         with CollectiveBytes() as sent:
-            fit(
+            history = fit(
                 model,
                 opt,
                 lambda t: _shard(x, y, t, batch, rank, world_size),
@@ -454,7 +482,8 @@ def local_sgd_run(
                 progress=False,
                 grad_norm=False,
             )
-            last = (steps - warmup_steps) % period != 0  # evaluate one model: average it
+            ran = history.train[-1]["step"]  # steps, or fewer in a dry run (fit caps them)
+            last = (ran - warmup_steps) % period != 0  # evaluate one model: average it
             if last:
                 average_parameters(model.parameters())
         out[period] = {
@@ -512,8 +541,8 @@ def overlap_run(
     (MiB): ``{"seconds": {config: median seconds, the slowest rank's}, "buckets": {cap:
     buckets DDP made}, "gradient_bytes": the float32 gradient's size, "cores": the CPU
     cores this rank may run on}``."""
-    repeats = capped_steps(repeats)  # the identity, except in a dry run (lsdl_lab.profiles)
-    rows = capped_examples(rows)
+    # overlap_times' own repeats: capped here, except outside a dry run
+    repeats = capped_steps(repeats)
     x, y, _, _ = _digits(seed)
     xb, yb = _shard(x, y, 0, rows * world_size, rank, world_size)
 
@@ -625,9 +654,8 @@ def overlap_timeline(
     ``backward_end`` and of their difference, ``exposed``: what the world waits after the
     last backward has ended. ``"cores"``: the CPU cores this rank may run on.
     """
-    repeats = capped_steps(check_int("repeats", repeats, 1))  # capped in a dry run only
+    check_int("repeats", repeats, 1)
     check_positive("bucket_cap_mb", bucket_cap_mb)
-    rows = capped_examples(rows)
     x, y, _, _ = _digits(seed)
     xb, yb = _shard(x, y, 0, rows * world_size, rank, world_size)
     caps = {
@@ -649,12 +677,15 @@ def overlap_timeline(
     for model in models.values():
         for _ in range(2):  # DDP rebuilds its buckets after the first step
             step(model)
+
+    def one_round(i: int) -> None:
+        for name, model in models.items():  # interleaved: load on the machine hits all
+            dist.barrier()
+            with record_function(f"{name} #{i}"):
+                step(model)
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i in range(repeats):
-            for name, model in models.items():  # interleaved: load on the machine hits all
-                dist.barrier()
-                with record_function(f"{name} #{i}"):
-                    step(model)
+        repeats = len(timed_rounds(one_round, repeats))  # fewer in a dry run
     events = _trace_events(prof)
     steps = {
         name: [_step_timeline(events, e) for e in events if e["name"].startswith(f"{name} #")]
@@ -736,8 +767,7 @@ def model_parallel_run(
     micro-batches of ``rows`` rows), ``repeats`` 1F1B and GPipe steps per ``micro_batches``
     after an untimed warm-up step: measured bubble (their median), the formula's, peak
     activations in flight, and this rank's timeline (for a figure) at the largest m."""
-    # the identity, except in a dry run (lsdl_lab.profiles)
-    rows, repeats = capped_examples(rows), capped_steps(repeats)
+    rows = capped_examples(rows)  # the pipeline's micro-batches: capped in a dry run only
     torch.manual_seed(0)
     block = models.TransformerBlock(dim, heads, 0.0).double()
     tp = TensorParallelBlock(block)
@@ -767,7 +797,9 @@ def model_parallel_run(
         for schedule in ("gpipe", "1f1b"):
             # the median of a few steps: one step of a few milliseconds is at the mercy of
             # whatever else the machine runs
-            reports = [_timed_step(stage, inputs, schedule) for _ in range(repeats)]
+            reports = timed_rounds(
+                lambda _, s=schedule, i=inputs: _timed_step(stage, i, s), repeats
+            )
             report = reports[-1]
             pipeline[schedule, m] = {
                 "bubble": statistics.median(r.bubble for r in reports),

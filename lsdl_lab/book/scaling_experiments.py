@@ -34,10 +34,10 @@ point-to-point messages of the hand-built ones (what the rank puts on its link).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -55,10 +55,9 @@ from ..distributed.collectives import (
     ring_all_reduce,
     tree_all_reduce,
 )
-from ..distributed.cost import measure_collective
 from ..distributed.diloco import DiLoCo
 from ..distributed.local_sgd import PeriodicAverager
-from ..distributed.traffic import COUNTED, SentMessages
+from ..distributed.traffic import Call, SentMessages
 from ..memory import LargestTensor, SavedTensorBytes
 from ..moe import MoE
 from ..parallel import (
@@ -71,8 +70,9 @@ from ..parallel import (
     ulysses_attention,
     ulysses_attention_bytes,
 )
-from ..profiles import capped_steps
+from ..steps import accumulate
 from ..train import LanguageModeling, StepResult, fit
+from .communication_experiments import fastest_rounds
 
 __all__ = [
     "all_to_all_even",
@@ -162,7 +162,6 @@ def collectives_report(
 
     The hierarchical all-reduce runs with nodes of ``local_size`` ranks when given (a
     divisor of the world size other than 1 and itself)."""
-    repeats = capped_steps(check_int("repeats", repeats, 1))
     algorithms = {
         "ring": ring_all_reduce,
         "recursive doubling": tree_all_reduce,
@@ -196,11 +195,7 @@ def collectives_report(
     timed = {**algorithms, "built-in": dist.all_reduce}
     timed |= {"all-to-all": all_to_all_even, "built-in all-to-all": builtin_all_to_all}
     sizes = [n - n % (4 * world_size) for n in nbytes]  # the all-to-all cuts rows evenly
-    rounds = [
-        {name: measure_collective(fn, sizes, 1) for name, fn in timed.items()}
-        for _ in range(repeats)
-    ]
-    seconds = {name: [min(r[name][j] for r in rounds) for j in range(len(sizes))] for name in timed}
+    seconds = fastest_rounds(timed, sizes, repeats)
     return {
         "world_size": world_size,
         "nbytes": list(nbytes),
@@ -388,42 +383,32 @@ def moe_against_dense(
 # -- long sequences: sequence and context parallelism ---------------------------------------
 
 
-@contextlib.contextmanager
-def ring_traffic():
-    """Yield a dict that adds up, per pass inside the block, the bytes a *ring* puts on
-    this rank's link for the built-in collectives called (``"bytes"``), from the bytes
-    handed to each (the :class:`~lsdl_lab.distributed.CollectiveBytes` convention, read
-    from the same wrapped functions) and its kind: an all-reduce of n bytes sends
-    2 (p-1)/p n; a reduce-scatter handed n sends (p-1)/p n; an all-gather handed its
-    shard of n/p sends (p-1) n/p. ``"calls"`` lists ``(name, bytes handed)``."""
-    record = {"bytes": 0.0, "calls": []}
-    originals = {name: getattr(dist, name) for name in COUNTED}
-    factor = {"all_reduce": lambda p: 2 * (p - 1) / p, "broadcast": lambda p: 1.0}
-    for name in COUNTED:
-        if name.startswith("all_gather"):
-            factor[name] = lambda p: p - 1
-        elif name.startswith("reduce_scatter"):
-            factor[name] = lambda p: (p - 1) / p
+# the bytes a ring puts on each rank's link per byte handed to the collective, at p ranks
+_RING = {
+    "all_reduce": lambda p: 2 * (p - 1) / p,  # reduce-scatter, then all-gather
+    "broadcast": lambda p: 1.0,  # a pipeline along the ring: each rank forwards it once
+    "all_gather": lambda p: p - 1,  # handed its shard: the p - 1 others' pass through
+    "reduce_scatter": lambda p: (p - 1) / p,  # handed all of it: p - 1 chunks of n/p
+}
 
-    def wrapped(name, fn):
-        def call(*args, **kwargs):
-            position = 0 if name in ("all_reduce", "broadcast") else 1
-            tensor = args[position]
-            handed = tensor.numel() * tensor.element_size()
-            p = dist.get_world_size(kwargs.get("group"))
-            record["calls"].append((name, handed))
-            record["bytes"] += factor[name](p) * handed
-            return fn(*args, **kwargs)
 
-        return call
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrapped(name, fn))
-    try:
-        yield record
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+def ring_traffic(calls: Sequence[Call]) -> float:
+    """The bytes a *ring* puts on this rank's link for the collectives of ``calls``
+    (:attr:`CollectiveBytes.calls <lsdl_lab.distributed.CollectiveBytes>`: the bytes
+    handed to each and its group's size p), by the collective's kind: an all-reduce handed
+    n bytes sends 2 (p-1)/p n; a reduce-scatter handed n sends (p-1)/p n; an all-gather
+    handed its shard of n/p sends (p-1) n/p; a broadcast, n. The flat forms count as their
+    kind, under either name."""
+    total = 0.0
+    for call in calls:
+        kind = next((k for k in _RING if call.name.startswith(k)), None)
+        if kind is None:
+            raise ValueError(
+                f"Invalid calls: a call of {call.name} (expected only the collectives of "
+                f"{sorted(_RING)}, whose ring traffic this knows)"
+            )
+        total += _RING[kind](call.group_size) * call.bytes
+    return total
 
 
 def _sequence_parallel(rank, p, dim, heads, batch, seq) -> dict:
@@ -446,9 +431,9 @@ def _sequence_parallel(rank, p, dim, heads, batch, seq) -> dict:
         with SavedTensorBytes(exclude=probe) as saved:
             probe(inp.clone().requires_grad_(True)).backward(grad)
         leaf = inp.clone().requires_grad_(True)
-        with ring_traffic() as forward:
+        with CollectiveBytes() as forward:
             y = layer(leaf)
-        with ring_traffic() as backward:
+        with CollectiveBytes() as backward:
             y.backward(grad)
         all_reduce_sequence_parallel_grads(layer)
         want_y, want_dx = (
@@ -458,8 +443,8 @@ def _sequence_parallel(rank, p, dim, heads, batch, seq) -> dict:
             "output_error": (y - want_y).abs().max().item(),
             "input_grad_error": (leaf.grad - want_dx).abs().max().item(),
             "layernorm_grad_error": (layer.ln1.weight.grad - ln_grad).abs().max().item(),
-            "ring_bytes": (forward["bytes"], backward["bytes"]),
-            "calls": sorted({c[0] for c in forward["calls"] + backward["calls"]}),
+            "ring_bytes": (ring_traffic(forward.calls), ring_traffic(backward.calls)),
+            "calls": sorted({c.name for c in forward.calls + backward.calls}),
             "saved_bytes": saved.peak,
         }
     report["activation_bytes"] = batch * seq * dim * 8  # one (B, T, d) float64 tensor
@@ -559,6 +544,29 @@ def long_sequence_report(
 # -- DiLoCo ----------------------------------------------------------------------------------
 
 
+class _SynchronizedStep:
+    """:func:`~lsdl_lab.train.fit`'s step of :func:`diloco_report`: forward and backward of
+    the batch (:func:`lsdl_lab.steps.accumulate`), then ``before()`` (DDP's all-reduce of
+    the gradients), the optimizer's update and ``after()`` (an averager's or DiLoCo's
+    ``after_step``); the bytes these two hand to the collectives are counted in
+    :attr:`counter`, the evaluations between steps are not."""
+
+    def __init__(
+        self, before: Callable[[], None] = lambda: None, after: Callable[[], None] = lambda: None
+    ):
+        self.before, self.after, self.counter = before, after, CollectiveBytes()
+
+    def __call__(self, model, optimizer, batch, task) -> StepResult:
+        optimizer.zero_grad(set_to_none=True)
+        loss, examples, counts = accumulate(model, [batch], task)
+        with self.counter:
+            self.before()
+        optimizer.step()
+        with self.counter:
+            self.after()
+        return StepResult(loss.item(), examples, counts)
+
+
 def diloco_report(
     rank,
     world_size,
@@ -584,8 +592,12 @@ def diloco_report(
     (:class:`~lsdl_lab.distributed.CollectiveBytes`), and ``"curve"``, pairs (bytes so far,
     training loss of the ranks' mean model) at ``evals`` points of the run. For DiLoCo also
     ``"state"``: the entries of its ``state_dict`` (the shared copy and the outer momentum)
-    in bytes, and its keys."""
-    steps = capped_steps(check_int("steps", steps, 1))
+    in bytes, and its keys.
+
+    Each trains through :func:`~lsdl_lab.train.fit` (which caps the steps in a dry run,
+    :mod:`lsdl_lab.profiles`) with a :class:`_SynchronizedStep`: the method's
+    communication around AdamW's update, counted."""
+    steps = check_int("steps", steps, 1)
     digits = load_digits()
     x, y = digits.train_x, digits.train_y
     n = len(y)
@@ -609,24 +621,25 @@ def diloco_report(
         torch.manual_seed(0)
         net = models.MLP(64, 10, hidden=hidden)
         opt = torch.optim.AdamW(net.parameters(), lr=lr)
-        averager = PeriodicAverager(net.parameters(), period) if name == "local SGD" else None
         diloco = DiLoCo(net.parameters(), period) if name == "DiLoCo" else None
-        counter, curve = CollectiveBytes(), []
-        for t in range(steps):
-            opt.zero_grad()
-            xb, yb = batch_of(t)
-            F.cross_entropy(net(xb), yb).backward()
-            with counter:
-                if name == "DDP":
-                    all_reduce_gradients(net.parameters())
-            opt.step()
-            with counter:
-                if averager is not None:
-                    averager.after_step()
-                if diloco is not None:
-                    diloco.after_step()
-            if (t + 1) % every == 0 or t + 1 == steps:
-                curve.append((counter.bytes, mean_model_loss(net)[0]))
+        if name == "DDP":
+            step = _SynchronizedStep(before=partial(all_reduce_gradients, list(net.parameters())))
+        elif name == "local SGD":
+            step = _SynchronizedStep(after=PeriodicAverager(net.parameters(), period).after_step)
+        else:
+            step = _SynchronizedStep(after=diloco.after_step)
+        curve = []
+
+        def point(done, _history, step=step, curve=curve, net=net):
+            if done % every == 0 or done == steps:
+                curve.append((step.counter.bytes, mean_model_loss(net)[0]))
+
+        history = fit(
+            net, opt, batch_of, steps, step=step, callback=point, progress=False, grad_norm=False
+        )
+        counter, ran = step.counter, history.train[-1]["step"]
+        if ran % every and ran != steps:  # the last step fit ran, in a dry run
+            curve.append((counter.bytes, mean_model_loss(net)[0]))
         loss, mean = mean_model_loss(net)
         with torch.no_grad():
             acc = (mean(digits.test_x).argmax(-1) == digits.test_y).double().mean().item()

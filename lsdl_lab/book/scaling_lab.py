@@ -31,7 +31,7 @@ from ..parallel.context import (
     ulysses_attention_bytes,
 )
 from ..parallel.expert import ExpertParallelMoE
-from ..profiles import capped_steps
+from .communication_experiments import timed_rounds
 from .scaling_experiments import all_to_all_even, builtin_all_to_all, context_check, moe_pass
 
 __all__ = [
@@ -78,24 +78,29 @@ def _agreement(rank: int, p: int) -> dict:
 
 def _min_times(collectives: dict, nbytes: Sequence[int], rounds: int) -> dict:
     """Seconds per call of each collective on float32 tensors of each size: the minimum
-    over ``rounds`` of the slowest rank's time, each call after a barrier. The tensors are
-    made and each collective warmed on them once, before the rounds (what
-    :func:`~lsdl_lab.distributed.measure_collective` does per call, which would pay the
-    warm-up once per round here). Another process can only slow a call down, so the
-    minimum is the cost of the collective itself."""
+    over ``rounds`` of the slowest rank's time (:func:`timed_rounds`, which caps them in a
+    dry run), each call after a barrier. The tensors are made and each collective warmed
+    on them once, before the rounds (what :func:`~lsdl_lab.distributed.measure_collective`
+    does per call, which would pay the warm-up once per round here). Another process can
+    only slow a call down, so the minimum is the cost of the collective itself."""
     tensors = [torch.ones(n // 4) for n in nbytes]
     for fn in collectives.values():
         for x in tensors:
             fn(x)
-    times = torch.empty(rounds, len(collectives), len(tensors), dtype=torch.float64)
-    for i in range(rounds):  # every collective at every size in each round: a burst of
-        for a, fn in enumerate(collectives.values()):  # load hits them all alike
+
+    def one_round(_) -> torch.Tensor:
+        # every collective at every size in each round: a burst of load hits them all alike
+        times = torch.empty(len(collectives), len(tensors), dtype=torch.float64)
+        for a, fn in enumerate(collectives.values()):
             for j, x in enumerate(tensors):
                 dist.barrier()
                 start = time.perf_counter()
                 fn(x)
-                times[i, a, j] = time.perf_counter() - start
+                times[a, j] = time.perf_counter() - start
                 x.fill_(1.0)  # an all-reduce multiplied it by p
+        return times
+
+    times = torch.stack(timed_rounds(one_round, rounds))
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     best = times.min(0).values
     return {name: best[a].tolist() for a, name in enumerate(collectives)}
@@ -111,7 +116,7 @@ def collective_scaling(rank, world_size, nbytes: Sequence[int], repeats: int = 5
     built-ins on float64 tensors. Results differ by rank only in ``messages`` and ``sent``.
     """
     timed = {**ALL_TO_ALLS, **ALL_REDUCES}
-    seconds = _min_times(timed, nbytes, capped_steps(repeats))
+    seconds = _min_times(timed, nbytes, repeats)
     messages, sent = {}, {}
     for name in ("all-to-all (ours)", "ring", "Rabenseifner"):
         messages[name], sent[name] = [], []

@@ -16,6 +16,7 @@ import torch
 from lsdl_lab.book import scaling_experiments as E
 from lsdl_lab.data.text import TextData
 from lsdl_lab.distributed import call_each, spawn
+from lsdl_lab.distributed.traffic import Call
 
 NBYTES = [1_200, 48_000]  # multiples of 4 p bytes at p = 2, 3 (and 4): even float chunks
 SHARDS = [12, 24]  # at least 2 head_dim (4): a block of scores outgrows k and v
@@ -120,6 +121,22 @@ def test_sequence_parallelism_and_context_parallelism(world):
         for s in SHARDS:
             assert seq["largest"]["ring", s] == 2 * 6 * s * s
             assert seq["largest"]["full", s] == 2 * 6 * (p * s) ** 2
+
+
+def test_ring_traffic_is_computed_from_the_counters_record():
+    # per byte handed at p = 4: all-reduce 2 (p-1)/p, all-gather (handed a shard) p - 1,
+    # reduce-scatter (p-1)/p, broadcast 1; the flat forms by either name
+    calls = [
+        Call("all_reduce", 400, 4),
+        Call("all_gather_into_tensor", 100, 4),
+        Call("all_gather", 100, 2),
+        Call("reduce_scatter_tensor", 400, 4),
+        Call("broadcast", 40, 4),
+    ]
+    assert E.ring_traffic(calls) == 600 + 300 + 100 + 300 + 40
+    assert E.ring_traffic([]) == 0
+    with pytest.raises(ValueError, match="a call of all_to_all_single"):
+        E.ring_traffic([Call("all_to_all_single", 400, 4)])
 
 
 def test_diloco_and_local_sgd_send_one_hth_of_ddps_bytes(world):
