@@ -21,7 +21,7 @@ FLOOR := $(VENV)/floor
 
 .PHONY: setup book book-cached linkcheck pdf release test test-main test-floor floor test-labs \
 	test-colab latest test-latest test-gpu gpu-wheels lint browser colab-base student bench \
-	bench-cost clean
+	bench-cost clean edition-config book-edition student-edition
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,11 +44,7 @@ book: $(STAMP)
 CACHED_CONFIG := _build/_config.cached.yml
 book-cached: $(STAMP)
 	rm -rf _build/html _build/.doctrees
-	mkdir -p _build
-	$(BIN)/python -c "import pathlib, yaml; c = yaml.safe_load(open('_config.yml')); \
-		c['execute']['execute_notebooks'] = 'cache'; ext = c['sphinx']['local_extensions']; \
-		c['sphinx']['local_extensions'] = {k: str(pathlib.Path(v).resolve()) for k, v in ext.items()}; \
-		yaml.safe_dump(c, open('$(CACHED_CONFIG)', 'w'), sort_keys=False)"
+	$(BIN)/python _ext/book_config.py --cache -o $(CACHED_CONFIG)
 	$(BIN)/jupyter-book build . --config $(CACHED_CONFIG) -W --keep-going
 
 # Every external link of the book, fetched (Sphinx's linkcheck builder; fails on a dead link;
@@ -60,22 +56,43 @@ linkcheck: $(STAMP)
 
 # The book as one PDF, _build/pdf/lsdl.pdf: every page of the built site (_build/html, built by
 # `make book` when missing) printed by the system Chromium once its math is rendered, joined
-# in reading order with an outline (_ext/book_pdf.py). Nothing is downloaded.
+# in reading order with an outline (_ext/book_pdf.py, which checks that the pages printed are
+# _toc.yml's, in order). Nothing is downloaded. A copy goes into the site's folder, so that the
+# site serves it: <site>lsdl.pdf (pages.yml), <site>vN/lsdl.pdf for an edition (release.yml).
 pdf: $(STAMP) browser
 	@test -f _build/html/index.html || $(MAKE) book
 	$(BIN)/python _ext/book_pdf.py _build/html -o _build/pdf/lsdl.pdf
+	cp _build/pdf/lsdl.pdf _build/html/lsdl.pdf
 
-# What .github/workflows/release.yml publishes for a version tag EDITION (vN): the site (kept as
-# /vN/ beside the latest), the PDF and the student versions of the labs, in _build/release/.
-EDITION ?= dev
-release: book-cached pdf student
+# What .github/workflows/release.yml publishes for a version tag EDITION (vN, required): the
+# site, the PDF and the student versions of the labs, in _build/release/. The site is built
+# as that edition (`make edition-config`, _ext/book_config.py): kept at <site>vN/, its Colab
+# buttons and links to the repository open the tag's files, its canonical links and the
+# PDF's are the edition's pages; the student labs link the tag and the edition's chapters,
+# and install the library from the tag (lsdl-student --edition).
+EDITION ?=
+EDITION_CONFIG ?= _build/_config.$(EDITION).yml
+CONFIG_VALUE = $(BIN)/python _ext/book_config.py --get
+edition-config: $(STAMP)
+	$(BIN)/python _ext/book_config.py --cache --edition "$(EDITION)" -o $(EDITION_CONFIG)
+
+book-edition: edition-config
+	rm -rf _build/html _build/.doctrees
+	$(BIN)/jupyter-book build . --config $(EDITION_CONFIG) -W --keep-going
+
+student-edition: edition-config
+	rm -rf student
+	$(BIN)/lsdl-student labs/*.ipynb -o student/ --edition "$(EDITION)" \
+		--repository "$$($(CONFIG_VALUE) repository.url)" --site "$$($(CONFIG_VALUE) html.baseurl)"
+
+release: book-edition pdf student-edition
 	rm -rf _build/release
 	mkdir -p _build/release
 	cp _build/pdf/lsdl.pdf _build/release/lsdl-$(EDITION).pdf
 	$(BIN)/python -m zipfile -c _build/release/lsdl-student-labs-$(EDITION).zip student/
-	$(BIN)/python -c "import yaml; c = yaml.safe_load(open('_config.yml')); \
+	$(BIN)/python -c "import yaml; c = yaml.safe_load(open('$(EDITION_CONFIG)')); \
 		site, repo = c['html']['baseurl'], c['repository']['url']; \
-		print(f'The book as of $(EDITION): {site}$(EDITION)/ (its PDF and the student versions' \
+		print(f'The book as of $(EDITION): {site} (its PDF and the student versions' \
 		f' of its labs are attached). Pin the library to it: pip install git+{repo}@$(EDITION)')" \
 		> _build/release/notes.md
 

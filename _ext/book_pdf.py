@@ -7,7 +7,8 @@ The site is served on localhost and each page opened in headless Chromium, in re
 by the site's own MathJax and its images have loaded, the page is printed (the DevTools
 protocol's Page.printToPDF: A4, the page's title and page number in the footer) and the
 pages are joined with pypdf, each page's title an entry of the outline. Links between pages
-point to the published site (_config.yml's html.baseurl, the pages' canonical URL). Nothing
+point to the published site (_config.yml's html.baseurl, the pages' canonical URL). The pages
+printed must be exactly those of _toc.yml, in its order (else no PDF is written). Nothing
 is downloaded: the browser is Debian's chromium and chromium-driver (`make browser`), driven
 as the browser test drives it (tests/site_browser.py).
 """
@@ -16,15 +17,28 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib.util
 import io
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # site_browser: the local server and the browser
+
+
+def _load(name: str, path: Path):
+    """The module at `path`, loaded by its path under `name` (not added to sys.modules)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The local server and the browser, as the browser test has them (tests/ is no package).
+site_browser = _load("lsdl_site_browser", ROOT / "tests" / "site_browser.py")
 
 A4 = (8.27, 11.69)  # inches
 MARGIN = 0.6  # inches
@@ -94,7 +108,6 @@ def print_pages(session, base: str, limit: int | None = None) -> list[tuple[Prin
     """Each page of the site at `base` printed, from its root page along the "next" links
     (the first `limit` pages only, if given): (what it shows, its PDF)."""
     from pypdf import PdfReader
-    from site_browser import page_state
 
     session.get(f"{base}index.html")  # the root page, through the index's redirect
     deadline = time.monotonic() + 30
@@ -103,7 +116,7 @@ def print_pages(session, base: str, limit: int | None = None) -> list[tuple[Prin
     url, seen, printed, first = session.current_url.split("#")[0], set(), [], 0
     while url and url not in seen and (limit is None or len(printed) < limit):
         seen.add(url)
-        state = page_state(session, url)
+        state = site_browser.page_state(session, url)
         if state["math_nodes"] and not (state["rendered_math"] and not state["math_errors"]):
             raise RuntimeError(f"{url}: the math did not render ({state})")
         if state["broken_images"]:
@@ -147,17 +160,62 @@ def join(printed: list[tuple[Printed, bytes]], out: Path) -> None:
         writer.write(f)
 
 
-def build_pdf(html: Path, out: Path, profile: Path, limit: int | None = None) -> list[Printed]:
-    """Print the built site in `html` (its first `limit` pages, if given) into the PDF `out`;
-    `profile`: a folder for Chromium's profile. Returns what each page printed shows."""
-    from site_browser import chromium, serve
+def toc_pages(toc: Path) -> list[str]:
+    """The book's pages in reading order, as _toc.yml `toc` lists them: its root, then each
+    entry's ``file`` (parts' chapters and their sections, depth first)."""
+    data = yaml.safe_load(Path(toc).read_text())
+    pages = [data["root"]]
 
+    def visit(entries):
+        for entry in entries or []:
+            if "glob" in entry:
+                raise ValueError(f"{toc}: a glob entry ({entry['glob']!r}) has no fixed order")
+            if "file" in entry:
+                pages.append(entry["file"])
+            visit(entry.get("sections"))
+
+    for part in data.get("parts") or [{"chapters": data.get("chapters")}]:
+        visit(part.get("chapters"))
+    return [
+        str(Path(page).with_suffix("")) if Path(page).suffix in {".md", ".ipynb"} else page
+        for page in pages
+    ]
+
+
+def check_order(printed: list[str], expected: list[str]) -> None:
+    """Raise RuntimeError unless the pages `printed` (paths without .html) are `expected`
+    (_toc.yml's, or their first ones for a PDF of a few pages), in order, naming what is
+    missing, extra or out of place."""
+    if printed == expected:
+        return
+    missing = [p for p in expected if p not in printed]
+    extra = [p for p in printed if p not in expected]
+    first = next(i for i, (a, b) in enumerate(zip([*printed, None], [*expected, None])) if a != b)
+    raise RuntimeError(
+        f"the pages printed are not _toc.yml's in its order: {len(printed)} printed, "
+        f"{len(expected)} expected; missing {missing}, unexpected {extra}; first "
+        f"difference at page {first + 1}: printed {printed[first : first + 1]}, expected "
+        f"{expected[first : first + 1]} (the pages are followed by their 'next' links: is the "
+        "site built from this _toc.yml?)"
+    )
+
+
+def build_pdf(
+    html: Path, out: Path, profile: Path, limit: int | None = None, toc: Path = ROOT / "_toc.yml"
+) -> list[Printed]:
+    """Print the built site in `html` (its first `limit` pages, if given) into the PDF `out`;
+    `profile`: a folder for Chromium's profile. The pages printed must be those of the
+    book's table of contents `toc` (its first `limit`), in its order; RuntimeError, and no
+    PDF, otherwise. Returns what each page printed shows."""
     if limit is not None and limit < 1:
         raise ValueError(f"Invalid limit: {limit} (expected None or a whole number >= 1)")
     if not (html / "index.html").is_file():
         raise FileNotFoundError(f"no built site in {html} (index.html missing): run `make book`")
-    with serve(html) as base, chromium(profile) as session:
+    expected = toc_pages(toc)[:limit]
+    with site_browser.serve(html) as base, site_browser.chromium(profile) as session:
         printed = print_pages(session, base, limit)
+        paths = [page.url.removeprefix(base).removesuffix(".html") for page, _ in printed]
+    check_order(paths, expected)
     join(printed, out)
     return [page for page, _ in printed]
 
@@ -167,11 +225,14 @@ def main(argv=None) -> None:
     parser.add_argument("html", type=Path, help="the built site (jupyter-book's _build/html)")
     parser.add_argument("-o", "--output", type=Path, default=Path("_build/pdf/lsdl.pdf"))
     parser.add_argument("--pages", type=int, default=None, help="only the first PAGES pages")
+    parser.add_argument(
+        "--toc", type=Path, default=ROOT / "_toc.yml", help="the book's table of contents"
+    )
     args = parser.parse_args(argv)
     if args.pages is not None and args.pages < 1:
         parser.error(f"Invalid --pages: {args.pages} (expected a whole number >= 1)")
     with tempfile.TemporaryDirectory() as profile:
-        printed = build_pdf(args.html, args.output, Path(profile), args.pages)
+        printed = build_pdf(args.html, args.output, Path(profile), args.pages, args.toc)
     total = sum(p.count for p in printed)
     shown = {k: sum(len(getattr(p, k)) for p in printed) for k in ("equations", "captions")}
     print(

@@ -1,5 +1,6 @@
 """Sphinx hooks of the book's HTML, loaded through _config.yml's ``local_extensions``."""
 
+import re
 from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
@@ -52,16 +53,37 @@ def book_page_of(url, prefix, pages, path_to_docs=""):
     return None if page is None else (page, parts.fragment)
 
 
-def site_page_of(url, baseurl, docnames):
-    """(page, fragment) when `url` is the published site's URL of a page of the book
-    (``baseurl + <docname>.html``), else None."""
-    if not baseurl or not url.startswith(baseurl):
-        return None
-    parts = urlsplit(url[len(baseurl) :])
-    if parts.query or not parts.path.endswith(".html"):
-        return None
-    page = parts.path.removesuffix(".html")
-    return (page, parts.fragment) if page in docnames else None
+def site_page_of(url, baseurls, docnames):
+    """(page, fragment) when `url` is a published site's URL of a page of the book
+    (``<base URL> + <docname>.html``, for one of `baseurls`: this build's ``html_baseurl``
+    and, in an edition, the latest site the labs link), else None. A page of an edition kept
+    under the latest site (``<site>v1/book/ch01.html``) is not a page of the latest."""
+    for baseurl in baseurls:
+        if not baseurl or not url.startswith(baseurl):
+            continue
+        parts = urlsplit(url[len(baseurl) :])
+        if parts.query or not parts.path.endswith(".html"):
+            continue
+        page = parts.path.removesuffix(".html")
+        if page in docnames:
+            return page, parts.fragment
+    return None
+
+
+def edition_link(url, repository_url, source_branch, branch):
+    """`url` as the edition of `branch` (a tag) links it: a link to a file of the repository
+    on the branch the sources name (``<repository>/blob/<source_branch>/...``), or to Colab
+    opening one (``https://colab.research.google.com/github/<owner>/<name>/blob/...``),
+    names the build's `branch` instead; any other URL is returned as it is."""
+    if not repository_url or not branch or branch == source_branch:
+        return url
+    parts = urlsplit(repository_url.rstrip("/"))
+    if parts.netloc != "github.com":
+        return url
+    repo = re.escape(parts.path.strip("/"))
+    hosts = r"https://(?:github\.com|colab\.research\.google\.com/github)/"
+    pattern = rf"({hosts}{repo}/(?:blob|tree)/){re.escape(source_branch)}(?=/)"
+    return re.sub(pattern, lambda m: m[1] + branch, url, count=1)
 
 
 def link_book_pages_internally(app, doctree, docname):
@@ -70,18 +92,27 @@ def link_book_pages_internally(app, doctree, docname):
 
     The labs link to chapters by the site's URL (a relative link opens nothing in Colab,
     which shows the notebook alone); on the built site, a preview or a local build
-    included, the reader should stay on the site being read.
+    included, the reader should stay on the site being read. In an edition (a build whose
+    repository branch is a tag, _ext/book_config.py --edition), the links to the
+    repository's files and Colab's name the tag rather than the branch the sources name.
     """
     if app.builder.format != "html":
         return
     options = app.config.html_theme_options or {}
     prefix = repository_blob_prefix(options)
-    baseurl = app.config.html_baseurl or None
+    baseurls = [app.config.html_baseurl, app.config.lsdl_latest_site]
     env = app.env
     pages = {PurePosixPath(env.doc2path(d, base=False)).as_posix(): d for d in env.all_docs}
     for node in doctree.findall(nodes.reference):
-        url = node.get("refuri", "")
-        found = site_page_of(url, baseurl, env.all_docs) or book_page_of(
+        if "refuri" not in node:
+            continue
+        url = node["refuri"] = edition_link(
+            node["refuri"],
+            options.get("repository_url"),
+            app.config.lsdl_source_branch,
+            options.get("repository_branch"),
+        )
+        found = site_page_of(url, baseurls, env.all_docs) or book_page_of(
             url, prefix, pages, options.get("path_to_docs", "")
         )
         if found is None:
@@ -97,6 +128,11 @@ def link_book_pages_internally(app, doctree, docname):
 
 
 def setup(app):
+    # Set by _ext/book_config.py --edition: the latest site (whose pages the labs link, and
+    # which an edition's pages are too) and the branch the sources' links to the repository
+    # name (which an edition's links name its tag instead of).
+    app.add_config_value("lsdl_latest_site", None, "env", [str, type(None)])
+    app.add_config_value("lsdl_source_branch", "main", "env", [str])
     # after sphinx-book-theme's own html-page-context handler (priority 500) adds the buttons
     app.connect("html-page-context", drop_launch_buttons_off_notebooks, priority=900)
     app.connect("doctree-resolved", link_book_pages_internally)

@@ -17,6 +17,9 @@ version) is kept.
 From the command line::
 
     lsdl-student labs/*.ipynb -o student/     # write student/<same name>.ipynb
+    lsdl-student labs/*.ipynb -o student/ --edition v3 \
+        --repository https://github.com/lsdl-book/lsdl --site https://lsdl-book.github.io/lsdl/
+                                              # the same, pinned to the tag v3 (below)
     lsdl-student --check labs/*.ipynb         # exit 1 if a marker is malformed
     lsdl-student --nbgrader labs/*.ipynb      # write nbgrader's cell metadata in place
     lsdl-student --nbgrader --check labs/*.ipynb  # exit 1 if that metadata is out of date
@@ -30,6 +33,12 @@ metadata from the markers, with a grade id made of the lab's and the exercise's 
 the notebook; ``--nbgrader`` writes it, and changes nothing but cells' ``nbgrader``
 metadata. A Markdown solution becomes a manually graded answer, as nbgrader requires.
 
+A course pins an *edition*, a tag of the labs' repository (``--edition``, as
+:func:`pin_edition` does; ``make release`` does it for the tag it publishes): the student
+version's links to the repository's files and to Colab opening them name the tag instead of
+``main``, its install cell installs the library from the tag (``git+<repository>@<tag>``),
+and, with ``--site``, its links to the book's pages open the edition's (``<site><tag>/``).
+
 Unlike nbgrader, a marker must stand alone on its line, and any other line that
 mentions one (``# BEGIN SOLUTION``, ``x = 1  ### END SOLUTION``) is an error rather
 than a solution silently left in the student version.
@@ -40,19 +49,23 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import urlsplit
 
 import nbformat
 
 __all__ = [
+    "Edition",
     "Solution",
     "find_hidden_tests",
     "find_solutions",
     "main",
     "make_student_version",
     "nbgrader_metadata",
+    "pin_edition",
     "write_nbgrader_metadata",
 ]
 
@@ -110,13 +123,90 @@ def find_hidden_tests(nb: nbformat.NotebookNode | str | Path) -> list[Solution]:
     ]
 
 
-def make_student_version(src_path: str | Path, dst_path: str | Path) -> int:
+class Edition(NamedTuple):
+    """What a student version is pinned to: the ``tag`` of the labs' ``repository``
+    (``https://github.com/<owner>/<name>``), and the book's ``site`` (its URL, ending in
+    ``/``; None: its links left as they are), which keeps the tag's edition at
+    ``<site><tag>/``; ``branch`` is what the labs' links name now."""
+
+    tag: str
+    repository: str
+    site: str | None = None
+    branch: str = "main"
+
+
+def pin_edition(text: str, edition: Edition) -> tuple[str, Counter]:
+    """``text`` (a cell's source) pinned to ``edition``, and how many of each kind of link
+    changed (``install``, ``repository``, ``site``):
+
+    * ``git+<repository>`` (pip's install from the repository) becomes
+      ``git+<repository>@<tag>``; one already pinned (``@...``) is left as it is;
+    * ``<repository>/blob/<branch>/...`` and Colab's
+      ``https://colab.research.google.com/github/<owner>/<name>/blob/<branch>/...`` name the
+      tag instead of the branch;
+    * ``<site><page>`` becomes ``<site><tag>/<page>`` (the site's root, ``<site><tag>/``),
+      unless it is an edition's already (``<site>vN/...``)."""
+    repo, tag = edition.repository.rstrip("/"), edition.tag
+    slug = re.escape(urlsplit(repo).path.strip("/"))
+    hosts = r"https://(?:github\.com|colab\.research\.google\.com/github)/"
+    # kind: (the pattern, whose group 1 is kept, and what follows it in the pinned link)
+    patterns = {
+        "install": (rf"(git\+{re.escape(repo)})(?:\.git)?(?![\w@./-])", f"@{tag}"),
+        "repository": (rf"({hosts}{slug}/(?:blob|tree)/){re.escape(edition.branch)}(?=/)", tag),
+    }
+    if edition.site:
+        patterns["site"] = (rf"({re.escape(edition.site)})(?!v\d+/)", f"{tag}/")
+    counts = Counter()
+    for kind, (pattern, pinned) in patterns.items():
+        text, counts[kind] = re.subn(pattern, lambda m, pinned=pinned: m[1] + pinned, text)
+    return text, counts
+
+
+def _edition(tag: str, repository: str, site: str | None = None) -> Edition:
+    """The :class:`Edition` of these arguments, checked."""
+    if not isinstance(tag, str) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*", tag):
+        raise ValueError(
+            f"Invalid edition: {tag!r} (expected a tag of the repository, such as v3: "
+            "letters, digits, '.', '_' and '-')"
+        )
+    if not isinstance(repository, str) or not re.fullmatch(
+        r"https://github\.com/[\w.-]+/[\w.-]+/?", repository
+    ):
+        raise ValueError(
+            f"Invalid repository: {repository!r} (expected https://github.com/<owner>/<name>)"
+        )
+    if site is not None and not (
+        isinstance(site, str) and re.match(r"https?://", site) and site.endswith("/")
+    ):
+        raise ValueError(f"Invalid site: {site!r} (expected the book's URL, ending in '/')")
+    return Edition(tag, repository.rstrip("/"), site)
+
+
+def make_student_version(
+    src_path: str | Path,
+    dst_path: str | Path,
+    *,
+    edition: str | None = None,
+    repository: str | None = None,
+    site: str | None = None,
+) -> int:
     """Write the student version of notebook ``src_path`` to ``dst_path``; return how many
-    solutions were removed. Nothing is written when a marker is malformed."""
+    solutions were removed. Nothing is written when a marker is malformed.
+
+    With ``edition`` (a tag of ``repository``, which is then required), the version is
+    pinned to that edition (:func:`pin_edition`; ``site``: the book's URL, to link the
+    edition's pages); a notebook that installs nothing from ``repository`` is refused, as
+    its students would run another edition's library."""
     src_path, dst_path = Path(src_path), Path(dst_path)
     if dst_path.exists() and dst_path.resolve() == src_path.resolve():
         raise ValueError(f"dst_path {dst_path} is src_path: that would erase the solutions")
+    if edition is None and (repository is not None or site is not None):
+        raise ValueError("repository and site pin an edition: give the edition's tag too")
+    if edition is not None and repository is None:
+        raise ValueError(f"edition {edition!r} needs the repository it is a tag of")
+    pin = None if edition is None else _edition(edition, repository, site)
     nb = _read(src_path)
+    pinned: Counter = Counter()
     removed = 0
     for index, cell in enumerate(nb.cells):
         blocks = _blocks(cell, f"{src_path}, cell {index}")
@@ -135,9 +225,17 @@ def make_student_version(src_path: str | Path, dst_path: str | Path) -> int:
             else:
                 del lines[start - 1 : end]
         cell.source = "\n".join(lines)
+        if pin is not None:
+            cell.source, counts = pin_edition(cell.source, pin)
+            pinned += counts
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
+    if pin is not None and not pinned["install"]:
+        raise ValueError(
+            f"{src_path}: installs nothing from {pin.repository} (no git+{pin.repository}), "
+            f"so its library cannot be pinned to {pin.tag}: is that the labs' repository?"
+        )
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, dst_path)
     return removed
@@ -297,9 +395,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="write nbgrader's cell metadata into the notebooks themselves, from the markers",
     )
+    parser.add_argument(
+        "--edition",
+        metavar="TAG",
+        help="pin the student versions to this tag of --repository: its links, Colab's and "
+        "the library's install name the tag",
+    )
+    parser.add_argument(
+        "--repository", metavar="URL", help="the labs' repository, https://github.com/OWNER/NAME"
+    )
+    parser.add_argument(
+        "--site", metavar="URL", help="the book's site: links to its pages open the edition's"
+    )
     args = parser.parse_args(argv)
     if args.nbgrader and args.output_dir is not None:
         parser.error("--nbgrader edits the notebooks in place; it takes no -o")
+    pinning = [args.edition, args.repository, args.site] != [None] * 3
+    if pinning and (args.check or args.nbgrader):
+        parser.error("--edition, --repository and --site apply to the student versions (-o)")
+    if pinning and (args.edition is None or args.repository is None):
+        parser.error("pinning an edition needs both --edition and --repository")
+    if pinning:
+        try:
+            _edition(args.edition, args.repository, args.site)
+        except ValueError as exc:
+            parser.error(str(exc))
     if not args.check and not args.nbgrader:
         if args.output_dir is None:
             parser.error("the output directory (-o) is required unless --check is given")
@@ -319,8 +439,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 dst = args.output_dir / path.name
                 hidden = len(find_hidden_tests(path))
-                removed = make_student_version(path, dst)
+                removed = make_student_version(
+                    path, dst, edition=args.edition, repository=args.repository, site=args.site
+                )
                 also = f", {hidden} hidden test(s)" if hidden else ""
+                also += f", pinned to {args.edition}" if args.edition else ""
                 print(f"{path} -> {dst}: {removed} solution(s) removed{also}")
         except (OSError, ValueError) as exc:  # nbformat's NotJSONError is a ValueError
             print(f"lsdl-student: error: {exc}", file=sys.stderr)

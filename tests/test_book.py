@@ -124,7 +124,7 @@ def test_the_workflows_wrap_make_targets_and_need_no_secret_for_pull_requests():
             ), name
     expected = {
         "ci.yml": {"test"},
-        "pages.yml": {"book-cached"},
+        "pages.yml": {"book-cached", "pdf"},
         "preview.yml": {"book"},
         "linkcheck.yml": {"linkcheck"},
         "colab.yml": {"test-labs", "test-colab"},
@@ -218,12 +218,15 @@ def test_book_builds_without_warnings(smoke_book):
     assert "colab.research.google.com" in lab  # the launch button
 
 
-def small_book(folder, pages, execute=True, sphinx=None):
+def small_book(folder, pages, execute=True, sphinx=None, edition=None):
     """Build a book of `pages` ({path: text}, the first the root) in `folder` with the
     project's own _config.yml (execution off unless `execute`; `sphinx`: settings added to
-    its Sphinx configuration), local extensions and static files; returns the finished
-    `jupyter-book build -W` process."""
+    its Sphinx configuration; as the `edition` vN, as `make release` builds it, if given),
+    local extensions and static files; returns the finished `jupyter-book build -W`
+    process."""
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    if edition is not None:
+        config = book_config_module().book_config(config, folder, edition=edition)
     if not execute:  # a markdown-only notebook would still start a kernel
         config["execute"]["execute_notebooks"] = "off"
     config["sphinx"]["config"].update(sphinx or {})
@@ -264,11 +267,20 @@ def repository_blob():
     return f"{url}/blob/{branch}/"
 
 
-def book_extension():
-    spec = importlib.util.spec_from_file_location("lsdl_book", ROOT / "_ext" / "lsdl_book.py")
+def ext_module(name):
+    """The module _ext/<name>.py (the folder is no package: Sphinx loads it by path)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "_ext" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def book_extension():
+    return ext_module("lsdl_book")
+
+
+def book_config_module():
+    return ext_module("book_config")
 
 
 def test_the_hook_finds_the_page_a_repository_link_names():
@@ -297,10 +309,104 @@ def test_the_hook_finds_the_page_a_repository_link_names():
     assert ext.book_page_of(f"{blob}intro.md", blob, pages, "docs/") is None
     site = "https://example.org/r/"
     docnames = set(pages.values())
-    assert ext.site_page_of(f"{site}book/ch01.html#a-b", site, docnames) == ("book/ch01", "a-b")
+    assert ext.site_page_of(f"{site}book/ch01.html#a-b", [site], docnames) == ("book/ch01", "a-b")
     for other in (f"{site}book/ch09.html", f"{site}book/ch01.md", "https://example.org/x.html"):
-        assert ext.site_page_of(other, site, docnames) is None, other
-    assert ext.site_page_of(f"{site}book/ch01.html", None, docnames) is None
+        assert ext.site_page_of(other, [site], docnames) is None, other
+    assert ext.site_page_of(f"{site}book/ch01.html", [None], docnames) is None
+    # an edition (kept at <site>v2/): its own pages and the latest site's are its pages, not
+    # another edition's
+    bases = [f"{site}v2/", site]
+    for url in (f"{site}v2/book/ch01.html#a-b", f"{site}book/ch01.html#a-b"):
+        assert ext.site_page_of(url, bases, docnames) == ("book/ch01", "a-b"), url
+    assert ext.site_page_of(f"{site}v1/book/ch01.html", bases, docnames) is None
+
+
+def test_an_edition_links_its_tag():
+    """In the edition of a tag, links to the repository's files and to Colab opening them
+    name the tag instead of the branch the sources name; nothing else changes."""
+    ext = book_extension()
+    repo = "https://github.com/o/r"
+    colab = "https://colab.research.google.com/github/o/r"
+    for url, pinned in (
+        (f"{repo}/blob/main/labs/lab01.ipynb", f"{repo}/blob/v2/labs/lab01.ipynb"),
+        (f"{colab}/blob/main/labs/lab01.ipynb", f"{colab}/blob/v2/labs/lab01.ipynb"),
+        (f"{repo}/tree/main/benchmarks#a", f"{repo}/tree/v2/benchmarks#a"),
+    ):
+        assert ext.edition_link(url, repo, "main", "v2") == pinned
+        assert ext.edition_link(url, f"{repo}/", "main", "main") == url  # not an edition
+    for other in (
+        f"{repo}/blob/mainline/x.md",  # another branch
+        f"{repo}/blob/v1/x.md",
+        "https://github.com/o/r2/blob/main/x.md",  # another repository
+        "https://github.com/other/r/blob/main/x.md",
+        f"{repo}/releases",
+        "https://arxiv.org/abs/1706.02677",
+    ):
+        assert ext.edition_link(other, repo, "main", "v2") == other, other
+    assert (
+        ext.edition_link(f"{repo}/blob/main/x.md", None, "main", "v2") == f"{repo}/blob/main/x.md"
+    )
+
+
+def make_config(target, **variables):
+    """Run `make <target>` with these variables alone (its setup prerequisite taken as done,
+    the tools of this Python): (the finished process, its output)."""
+    proc = subprocess.run(
+        ["make", "-s", "-o", ".venv/.installed", f"BIN={Path(sys.executable).parent}", target]
+        + [f"{k}={v}" for k, v in variables.items()],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_the_release_builds_the_edition_of_its_tag(tmp_path):
+    """`make release EDITION=vN` builds from the configuration `make edition-config` writes:
+    _config.yml with the repository's branch the tag (the Colab buttons open the tag's labs)
+    and the site's URL the edition's (<site>vN/: its canonical links and its PDF's), what the
+    book's hook needs to keep the labs' links to the latest site's pages within the edition,
+    cached execution and the local extensions found from anywhere; nothing else changed. An
+    edition not named vN (what release.yml publishes and pages.yml keeps) is refused."""
+    original = yaml.safe_load((ROOT / "_config.yml").read_text())
+    site = original["html"]["baseurl"]
+    out = tmp_path / "config.yml"
+    proc, log = make_config("edition-config", EDITION="v7", EDITION_CONFIG=out)
+    assert proc.returncode == 0, log
+    config = yaml.safe_load(out.read_text())
+    assert config["repository"]["branch"] == "v7"
+    assert config["html"]["baseurl"] == f"{site}v7/"
+    assert config["execute"]["execute_notebooks"] == "cache"
+    sphinx = config["sphinx"]
+    assert sphinx["config"]["lsdl_latest_site"] == site
+    assert sphinx["config"]["lsdl_source_branch"] == original["repository"]["branch"]
+    for name, folder in sphinx["local_extensions"].items():
+        assert Path(folder).is_absolute() and (Path(folder) / f"{name}.py").is_file(), name
+    # the rest as _config.yml has it ({{ site }} in the pages stays the latest site)
+    for key, value in (
+        (("repository", "branch"), original["repository"]["branch"]),
+        (("html", "baseurl"), site),
+        (("execute", "execute_notebooks"), original["execute"]["execute_notebooks"]),
+        (("sphinx", "local_extensions"), original["sphinx"]["local_extensions"]),
+    ):
+        config[key[0]][key[1]] = value
+    for key in ("lsdl_latest_site", "lsdl_source_branch"):
+        del sphinx["config"][key]
+    assert config == original
+    for bad in ("", "dev", "v1.2", "main"):
+        proc, log = make_config("edition-config", EDITION=bad, EDITION_CONFIG=out)
+        assert proc.returncode != 0 and f"Invalid edition: {bad!r}" in log, (bad, log)
+    # the values the release's student versions are pinned with
+    for key, value in (("repository.url", original["repository"]["url"]), ("html.baseurl", site)):
+        got = subprocess.run(
+            [sys.executable, str(ROOT / "_ext" / "book_config.py"), "--get", key],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert got.stdout.strip() == value
 
 
 class _Links(HTMLParser):
@@ -409,6 +515,49 @@ def test_links_to_pages_on_github_become_links_to_the_site(tmp_path):
         assert link_problem(broken, site, html, set(pages)), broken
 
 
+@pytest.mark.notebook
+def test_an_edition_is_built_as_that_edition(tmp_path):
+    """A two-page book built as `make release` builds the edition v7 (_ext/book_config.py):
+    the lab's launch button and its own "Open in Colab" link open the tag's notebook, its
+    link to a file of the repository names the tag, its link to the chapter on the latest
+    site (as the labs are written) stays within the edition, and the pages' canonical URL
+    is the edition's."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    repo, published = config["repository"]["url"].rstrip("/"), config["html"]["baseurl"]
+    blob = repository_blob()
+    colab = f"https://colab.research.google.com/github/{urlsplit(repo).path.strip('/')}/blob/"
+    chapter, lab = "book/ch01_introduction", "labs/lab01_getting_started"
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell(
+            f"# A lab\n\n[Open in Colab]({colab}main/{lab}.ipynb), [Chapter 1]"
+            f"({published}{chapter}.html#the-section), [results]"
+            f"({blob}benchmarks/results/colab_cost.md), [an edition]({published}v1/)"
+        )
+    ]
+    pages = {
+        f"{chapter}.md": "# A chapter\n\n## The section\n",
+        f"{lab}.ipynb": nbformat.writes(notebook),
+    }
+    proc = small_book(tmp_path, pages, execute=False, edition="v7")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    html, site = tmp_path / "_build" / "html", "http://site/"
+    links = page_links(html, lab)
+    in_article = [h for h, article in links if article]
+    assert in_article[-4:] == [
+        f"{colab}v7/{lab}.ipynb",
+        f"{site}{chapter}.html#the-section",
+        f"{repo}/blob/v7/benchmarks/results/colab_cost.md",
+        f"{published}v1/",
+    ], in_article
+    assert f"{colab}v7/{lab}.ipynb" in [h for h, article in links if not article]  # the button
+    assert not [h for h, _ in links if "/blob/main/" in h]
+    for page in (chapter, lab):
+        text = (html / f"{page}.html").read_text()
+        assert f'<link rel="canonical" href="{published}v7/{page}.html"' in text, page
+
+
 def listings_extension():
     spec = importlib.util.spec_from_file_location(
         "lsdl_listings", ROOT / "_ext" / "lsdl_listings.py"
@@ -435,7 +584,9 @@ def test_the_chapters_show_the_library_by_one_mechanism():
     listings' font for that width."""
     ext = listings_extension()
     listed = chapter_listings()
-    assert len(listed) >= 40, listed  # 46 listings in Chapters 2 to 8
+    # every chapter from Chapter 2 on shows the library's code (the introduction shows none)
+    chapters = {f.name for f in (ROOT / "book").glob("ch[0-9]*.md")} - {"ch01_introduction.md"}
+    assert {chapter for chapter, _ in listed} == chapters, sorted(listed)
     for f in sorted((ROOT / "book").glob("ch[0-9]*.md")):
         text = f.read_text()
         for other in ("getsource", "literalinclude", "def show("):
@@ -791,6 +942,42 @@ def pdf_text(text: str) -> str:
     return re.sub(r"\s+", "", unicodedata.normalize("NFKC", text))
 
 
+def book_pdf_module(monkeypatch):
+    """_ext/book_pdf.py, loaded by its path (its dataclass looks its module up by name)."""
+    spec = importlib.util.spec_from_file_location("book_pdf", ROOT / "_ext" / "book_pdf.py")
+    book_pdf = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "book_pdf", book_pdf)
+    spec.loader.exec_module(book_pdf)
+    return book_pdf
+
+
+def test_the_pdf_prints_the_pages_of_the_toc_in_order(monkeypatch, tmp_path):
+    """The PDF's printer knows _toc.yml's pages in reading order (sections after their
+    chapter) and refuses, naming the difference, pages that are not exactly those: one
+    missing, one added, two swapped."""
+    book_pdf = book_pdf_module(monkeypatch)
+    assert book_pdf.toc_pages(ROOT / "_toc.yml") == toc_files()
+    nested = tmp_path / "_toc.yml"
+    nested.write_text(
+        "format: jb-book\nroot: intro\nchapters:\n- file: a.md\n  sections:\n"
+        "  - file: a/one\n  - file: a/two\n- file: b\n"
+    )
+    pages = ["intro", "a", "a/one", "a/two", "b"]
+    assert book_pdf.toc_pages(nested) == pages
+    book_pdf.check_order(pages, pages)
+    book_pdf.check_order(pages[:2], pages[:2])  # `--pages 2`
+    for printed, says in (
+        (pages[:-1], "missing ['b']"),
+        ([*pages, "c"], "unexpected ['c']"),
+        (["intro", "a/one", "a", "a/two", "b"], "first difference at page 2"),
+    ):
+        with pytest.raises(RuntimeError, match=re.escape(says)):
+            book_pdf.check_order(printed, pages)
+    nested.write_text("format: jb-book\nroot: intro\nchapters:\n- glob: book/*\n")
+    with pytest.raises(ValueError, match="glob"):
+        book_pdf.toc_pages(nested)
+
+
 @pytest.mark.notebook
 def test_the_book_prints_to_a_pdf(smoke_book, tmp_path, monkeypatch):
     """`make pdf`'s printer (_ext/book_pdf.py) on the smoke build's first pages: they come in
@@ -803,10 +990,7 @@ def test_the_book_prints_to_a_pdf(smoke_book, tmp_path, monkeypatch):
 
     returncode, log, html = smoke_book
     assert returncode == 0, "the book did not build (see test_book_builds_without_warnings)"
-    spec = importlib.util.spec_from_file_location("book_pdf", ROOT / "_ext" / "book_pdf.py")
-    book_pdf = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "book_pdf", book_pdf)  # its dataclass looks itself up
-    spec.loader.exec_module(book_pdf)
+    book_pdf = book_pdf_module(monkeypatch)
     out = tmp_path / "book.pdf"
     printed = book_pdf.build_pdf(html, out, tmp_path / "profile", limit=PDF_PAGES)
     reader = PdfReader(out)

@@ -12,18 +12,21 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import yaml
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from lsdl_lab.student import (
     PLACEHOLDER,
+    Edition,
     Solution,
     find_hidden_tests,
     find_solutions,
     main,
     make_student_version,
     nbgrader_metadata,
+    pin_edition,
     write_nbgrader_metadata,
 )
 
@@ -253,6 +256,130 @@ def test_refuses_to_overwrite_the_solutions(lab):
     with pytest.raises(ValueError, match="dst_path"):
         make_student_version(lab, lab)
     assert find_solutions(lab)  # still there
+
+
+# --- pinned to an edition -------------------------------------------------------------------
+
+
+REPO = "https://github.com/owner/book"
+SITE = "https://owner.github.io/book/"
+COLAB = "https://colab.research.google.com/github/owner/book/blob"
+INSTALL = (
+    "try:\n    import lsdl_lab\nexcept ImportError:\n    import subprocess, sys\n\n"
+    '    subprocess.check_call([sys.executable, "-m", "pip", "install", "git+{repo}"])'
+)
+LINKS = (
+    f"# Lab 3\n[Open in Colab]({COLAB}/main/labs/lab03.ipynb), [Chapter 3]"
+    f"({SITE}book/ch03.html#adam), [the book]({SITE}), [results]({REPO}/blob/main/b/r.md), "
+    f"[an edition]({SITE}v1/book/ch03.html), [the repository]({REPO}), "
+    f"[a branch]({REPO}/blob/mainline/x.md), [elsewhere](https://github.com/owner/other/blob/main/x.md)"
+)
+PINNED = (
+    f"# Lab 3\n[Open in Colab]({COLAB}/v4/labs/lab03.ipynb), [Chapter 3]"
+    f"({SITE}v4/book/ch03.html#adam), [the book]({SITE}v4/), [results]({REPO}/blob/v4/b/r.md), "
+    f"[an edition]({SITE}v1/book/ch03.html), [the repository]({REPO}), "
+    f"[a branch]({REPO}/blob/mainline/x.md), [elsewhere](https://github.com/owner/other/blob/main/x.md)"
+)
+
+
+def edition_notebook(path: Path) -> Path:
+    """A lab of the repository REPO: links of every kind, its install cell, an exercise."""
+    nb = new_notebook(
+        cells=[
+            new_markdown_cell(LINKS),
+            new_code_cell(INSTALL.format(repo=REPO)),
+            new_code_cell(TOP_LEVEL_EXERCISE),
+        ]
+    )
+    nbformat.write(nb, path)
+    return path
+
+
+def test_pin_edition_rewrites_each_kind_of_link():
+    edition = Edition("v4", REPO, SITE)
+    text, counts = pin_edition(LINKS, edition)
+    assert text == PINNED
+    assert counts == Counter(repository=2, site=2, install=0)
+    for install, pinned in (
+        (f"pip install git+{REPO}", f"pip install git+{REPO}@v4"),
+        (f'"git+{REPO}.git"', f'"git+{REPO}@v4"'),
+        (f"git+{REPO}@v1", f"git+{REPO}@v1"),  # pinned already
+        (f"git+{REPO}-fork", f"git+{REPO}-fork"),  # another repository
+    ):
+        assert pin_edition(install, edition)[0] == pinned, install
+    # without a site, the book's links stay as they are
+    text, counts = pin_edition(LINKS, Edition("v4", REPO))
+    assert f"({SITE}book/ch03.html#adam)" in text and f"{COLAB}/v4/" in text
+    assert counts["site"] == 0
+    assert pin_edition(PINNED, edition) == (PINNED, Counter(repository=0, site=0, install=0))
+
+
+def test_student_version_pinned_to_an_edition(tmp_path):
+    lab = edition_notebook(tmp_path / "lab.ipynb")
+    out = tmp_path / "student" / "lab.ipynb"
+    assert make_student_version(lab, out, edition="v4", repository=REPO, site=SITE) == 1
+    nb = nbformat.read(out, as_version=4)
+    assert nb.cells[0].source == PINNED
+    assert nb.cells[1].source == INSTALL.format(repo=f"{REPO}@v4")
+    assert PLACEHOLDER in nb.cells[2].source and "total = sum" not in nb.cells[2].source
+    # without an edition, the links are the lab's
+    make_student_version(lab, out)
+    nb = nbformat.read(out, as_version=4)
+    assert nb.cells[0].source == LINKS and nb.cells[1].source == INSTALL.format(repo=REPO)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"edition": "v4"}, "needs the repository"),
+        ({"repository": REPO}, "give the edition's tag"),
+        ({"edition": "v4 main", "repository": REPO}, "Invalid edition: 'v4 main'"),
+        ({"edition": "v4", "repository": "github.com/owner/book"}, "Invalid repository"),
+        ({"edition": "v4", "repository": REPO, "site": "owner.github.io"}, "Invalid site"),
+        ({"edition": "v4", "repository": f"{REPO}-fork"}, "installs nothing from"),
+    ],
+)
+def test_pinning_refuses(tmp_path, kwargs, message):
+    lab = edition_notebook(tmp_path / "lab.ipynb")
+    out = tmp_path / "student" / "lab.ipynb"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_student_version(lab, out, **kwargs)
+    assert not out.exists()
+
+
+def test_cli_pins_an_edition(tmp_path, capsys):
+    lab = edition_notebook(tmp_path / "lab.ipynb")
+    out = tmp_path / "student"
+    pin = ["--edition", "v4", "--repository", REPO, "--site", SITE]
+    assert main([str(lab), "-o", str(out), *pin]) == 0
+    assert "1 solution(s) removed, pinned to v4" in capsys.readouterr().out
+    assert nbformat.read(out / "lab.ipynb", as_version=4).cells[0].source == PINNED
+    for args, says in (
+        ([str(lab), "-o", str(out), "--edition", "v4"], "needs both --edition and --repository"),
+        (["--check", str(lab), *pin], "apply to the student versions"),
+        ([str(lab), "-o", str(out), "--edition", "v 4", "--repository", REPO], "Invalid edition"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        assert info.value.code == 2 and says in capsys.readouterr().err, args
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.name)
+def test_lab_pinned_to_an_edition_names_only_the_tag(path, tmp_path):
+    """What `make release EDITION=v4` hands out, from _config.yml's repository and site: the
+    lab's Colab link opens the tag's notebook, its install cell installs the tag, its links
+    to the repository's files and the book's pages open the tag's and the edition's."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    repo, site = config["repository"]["url"].rstrip("/"), config["html"]["baseurl"]
+    out = tmp_path / path.name
+    make_student_version(path, out, edition="v4", repository=repo, site=site)
+    text = "\n".join(cell.source for cell in nbformat.read(out, as_version=4).cells)
+    assert f"git+{repo}@v4" in text
+    assert f"{COLAB.replace('owner/book', repo.removeprefix('https://github.com/'))}/v4/" in text
+    assert not re.findall(rf"git\+{re.escape(repo)}(?!@v4)", text)
+    slug = re.escape(repo.removeprefix("https://github.com/"))
+    assert not re.findall(rf"github\.com/{slug}/(?:blob|tree)/main/", text)
+    assert not re.findall(rf"{re.escape(site)}(?!v4/)", text)
 
 
 # --- the command line --------------------------------------------------------------------------
