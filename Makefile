@@ -21,7 +21,7 @@ FLOOR := $(VENV)/floor
 
 .PHONY: setup book book-cached linkcheck pdf release test test-main test-floor floor test-labs \
 	test-colab latest test-latest test-gpu gpu-wheels lint browser colab-base student bench \
-	bench-cost clean edition-config book-edition student-edition
+	bench-cost clean edition-config book-edition student-edition pin-labs check-edition
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -85,7 +85,18 @@ student-edition: edition-config
 	$(BIN)/lsdl-student labs/*.ipynb -o student/ --edition "$(EDITION)" \
 		--repository "$$($(CONFIG_VALUE) repository.url)" --site "$$($(CONFIG_VALUE) html.baseurl)"
 
-release: book-edition pdf student-edition
+# The labs themselves pinned to EDITION, in place (solutions kept): run before tagging vN
+# (README, "Publishing"), so that what Colab opens from the tag installs the tag's library;
+# check-edition, run by release, fails on a tag whose labs are not pinned to it.
+PIN_ARGS = labs/*.ipynb --pin --edition "$(EDITION)" \
+	--repository "$$($(CONFIG_VALUE) repository.url)" --site "$$($(CONFIG_VALUE) html.baseurl)"
+pin-labs: edition-config
+	$(BIN)/lsdl-student $(PIN_ARGS)
+
+check-edition: edition-config
+	$(BIN)/lsdl-student $(PIN_ARGS) --check
+
+release: check-edition book-edition pdf student-edition
 	rm -rf _build/release
 	mkdir -p _build/release
 	cp _build/pdf/lsdl.pdf _build/release/lsdl-$(EDITION).pdf

@@ -20,6 +20,10 @@ From the command line::
     lsdl-student labs/*.ipynb -o student/ --edition v3 \
         --repository https://github.com/lsdl-book/lsdl --site https://lsdl-book.github.io/lsdl/
                                               # the same, pinned to the tag v3 (below)
+    lsdl-student labs/*.ipynb --pin --edition v3 --repository ... --site ...
+                                              # the labs themselves pinned, in place
+    lsdl-student labs/*.ipynb --pin --check --edition v3 --repository ... --site ...
+                                              # exit 1 if one is not pinned to v3
     lsdl-student --check labs/*.ipynb         # exit 1 if a marker is malformed
     lsdl-student --nbgrader labs/*.ipynb      # write nbgrader's cell metadata in place
     lsdl-student --nbgrader --check labs/*.ipynb  # exit 1 if that metadata is out of date
@@ -66,6 +70,7 @@ __all__ = [
     "make_student_version",
     "nbgrader_metadata",
     "pin_edition",
+    "pin_notebook",
     "write_nbgrader_metadata",
 ]
 
@@ -231,7 +236,7 @@ def make_student_version(
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
-    if pin is not None and not pinned["install"]:
+    if pin is not None and not (pinned["install"] or _installs_from(nb, pin)):
         raise ValueError(
             f"{src_path}: installs nothing from {pin.repository} (no git+{pin.repository}), "
             f"so its library cannot be pinned to {pin.tag}: is that the labs' repository?"
@@ -375,6 +380,46 @@ def _blocks(
     return blocks
 
 
+def _installs_from(nb: nbformat.NotebookNode, edition: Edition) -> bool:
+    """Whether a cell of ``nb`` installs the library from ``edition``'s tag."""
+    pinned = f"git+{edition.repository}@{edition.tag}"
+    return any(pinned in cell.source for cell in nb.cells)
+
+
+def pin_notebook(
+    path: str | Path,
+    edition: str,
+    repository: str,
+    site: str | None = None,
+    *,
+    check: bool = False,
+) -> int:
+    """Pin the notebook at ``path`` itself, solutions and all, to ``edition`` (a tag of
+    ``repository``; :func:`pin_edition`), and return how many links changed; with
+    ``check``, write nothing and return how many would change.
+
+    This is what a tag's own labs need: Colab opens a lab from the tag (an edition's launch
+    buttons, its student versions' links), and what it runs is that file's install cell,
+    so the file at the tag must install the tag's library. ``make pin-labs EDITION=vN``
+    pins every lab before the tag is made, and ``make release`` refuses a tag whose labs
+    are not pinned to it (``make check-edition``). A notebook that would still install
+    another library than the tag's after pinning is refused."""
+    pin = _edition(edition, repository, site)
+    nb = _read(path)
+    changed: Counter = Counter()
+    for cell in nb.cells:
+        cell.source, counts = pin_edition(cell.source, pin)
+        changed += counts
+    if not _installs_from(nb, pin):
+        raise ValueError(
+            f"{path}: installs nothing from {pin.repository}@{pin.tag} (its install cell "
+            f"names another edition, or another repository)"
+        )
+    if changed.total() and not check:
+        nbformat.write(nb, path)
+    return changed.total()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``lsdl-student`` command; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -407,11 +452,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--site", metavar="URL", help="the book's site: links to its pages open the edition's"
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin the notebooks themselves (solutions kept) to --edition, in place; with "
+        "--check, exit 1 if one is not pinned to it",
+    )
     args = parser.parse_args(argv)
     if args.nbgrader and args.output_dir is not None:
         parser.error("--nbgrader edits the notebooks in place; it takes no -o")
     pinning = [args.edition, args.repository, args.site] != [None] * 3
-    if pinning and (args.check or args.nbgrader):
+    if args.pin and (args.output_dir is not None or args.nbgrader or not pinning):
+        parser.error("--pin edits the notebooks in place: give --edition and --repository, no -o")
+    if pinning and not args.pin and (args.check or args.nbgrader):
         parser.error("--edition, --repository and --site apply to the student versions (-o)")
     if pinning and (args.edition is None or args.repository is None):
         parser.error("pinning an edition needs both --edition and --repository")
@@ -420,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _edition(args.edition, args.repository, args.site)
         except ValueError as exc:
             parser.error(str(exc))
-    if not args.check and not args.nbgrader:
+    if not args.check and not args.nbgrader and not args.pin:
         if args.output_dir is None:
             parser.error("the output directory (-o) is required unless --check is given")
         names = [path.name for path in args.notebooks]
@@ -431,7 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = 0
     for path in args.notebooks:
         try:
-            if args.nbgrader:
+            if args.pin:
+                failed += _pin_command(path, args)
+            elif args.nbgrader:
                 failed += _nbgrader_command(path, args.check)
             elif args.check:
                 solutions, hidden = len(find_solutions(path)), len(find_hidden_tests(path))
@@ -449,6 +504,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"lsdl-student: error: {exc}", file=sys.stderr)
             failed += 1
     return 1 if failed else 0
+
+
+def _pin_command(path: Path, args: argparse.Namespace) -> int:
+    """Pin one notebook in place (or with ``--check``, check it is); 1 if it failed."""
+    changes = pin_notebook(path, args.edition, args.repository, args.site, check=args.check)
+    if args.check and changes:
+        print(
+            f"lsdl-student: error: {path}: {changes} link(s) not pinned to {args.edition}; "
+            f"run make pin-labs EDITION={args.edition} before tagging",
+            file=sys.stderr,
+        )
+        return 1
+    state = "pinned" if args.check else f"{changes} link(s) pinned"
+    print(f"{path}: {state} to {args.edition}")
+    return 0
 
 
 def _nbgrader_command(path: Path, check: bool) -> int:

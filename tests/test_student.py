@@ -27,6 +27,7 @@ from lsdl_lab.student import (
     make_student_version,
     nbgrader_metadata,
     pin_edition,
+    pin_notebook,
     write_nbgrader_metadata,
 )
 
@@ -362,6 +363,46 @@ def test_cli_pins_an_edition(tmp_path, capsys):
         with pytest.raises(SystemExit) as info:
             main(args)
         assert info.value.code == 2 and says in capsys.readouterr().err, args
+
+
+def test_a_lab_pinned_in_place_keeps_its_solutions_and_installs_the_tag(tmp_path):
+    """What `make pin-labs EDITION=v4` does to the labs before the tag is made: the
+    notebook itself pinned (solutions and all), which `make check-edition` then accepts."""
+    lab = edition_notebook(tmp_path / "lab.ipynb")
+    before = lab.read_bytes()
+    assert pin_notebook(lab, "v4", REPO, SITE, check=True) == 5  # 4 links, 1 install
+    assert lab.read_bytes() == before  # a check writes nothing
+    assert pin_notebook(lab, "v4", REPO, SITE) == 5
+    nb = nbformat.read(lab, as_version=4)
+    assert nb.cells[0].source == PINNED
+    assert nb.cells[1].source == INSTALL.format(repo=f"{REPO}@v4")
+    assert nb.cells[2].source == TOP_LEVEL_EXERCISE  # the solution is still there
+    assert pin_notebook(lab, "v4", REPO, SITE, check=True) == 0  # pinned: nothing to do
+    # the student version of a pinned lab is pinned to the same tag
+    out = tmp_path / "student" / "lab.ipynb"
+    assert make_student_version(lab, out, edition="v4", repository=REPO, site=SITE) == 1
+    assert nbformat.read(out, as_version=4).cells[1].source == INSTALL.format(repo=f"{REPO}@v4")
+    # a lab pinned to another edition is refused, not counted as pinned
+    with pytest.raises(ValueError, match=re.escape(f"installs nothing from {REPO}@v5")):
+        pin_notebook(lab, "v5", REPO, SITE, check=True)
+
+
+def test_cli_pins_labs_in_place_and_checks_them(tmp_path, capsys):
+    lab = edition_notebook(tmp_path / "lab.ipynb")
+    pin = ["--pin", "--edition", "v4", "--repository", REPO, "--site", SITE]
+    assert main([str(lab), *pin, "--check"]) == 1
+    assert "5 link(s) not pinned to v4; run make pin-labs" in capsys.readouterr().err
+    assert main([str(lab), *pin]) == 0
+    assert "5 link(s) pinned to v4" in capsys.readouterr().out
+    assert main([str(lab), *pin, "--check"]) == 0
+    assert main([str(lab), *pin[:2], "v5", *pin[3:], "--check"]) == 1
+    assert "installs nothing from" in capsys.readouterr().err
+    for args in ([str(lab), "--pin"], [str(lab), *pin, "-o", str(tmp_path / "o")]):
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        assert info.value.code == 2 and "--pin edits the notebooks in place" in (
+            capsys.readouterr().err
+        ), args
 
 
 @pytest.mark.parametrize("path", LABS, ids=lambda p: p.name)
