@@ -25,6 +25,12 @@ so training waits for the copy, not for the storage. The numbers and strings of 
 written last: a step directory holding it is complete, one without it was interrupted
 and is never read. DCP's own metadata is a pickle; read only directories your job wrote.
 
+A tensor a rank holds as a run of its elements (ZeRO's shards are slices of one flat
+vector per unit, cut across rows: :class:`lsdl_lab.memory.ZeroOptimizer`) is written by
+:class:`PieceSavePlanner` as the few N-D boxes that tile that run (:func:`boxes`), so
+every rank writes its own elements and DCP records them as chunks of the whole tensor,
+which any world and layout reads (``pieces`` of :func:`save_sharded`).
+
 How often to checkpoint: :func:`young_interval` (Young, 1974), :func:`daly_interval`
 (Daly, 2006) and :func:`expected_waste`, Daly's complete model of the time lost.
 """
@@ -32,6 +38,7 @@ How often to checkpoint: :func:`young_interval` (Young, 1974), :func:`daly_inter
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import pickle
 import shutil
@@ -42,12 +49,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ._util import atomic_path, check_nonnegative, check_positive
 
 __all__ = [
     "CheckpointError",
     "PendingSave",
+    "PieceSavePlanner",
+    "boxes",
     "daly_interval",
     "expected_waste",
     "latest_sharded",
@@ -152,6 +168,87 @@ def _alone(alone: bool):
         yield
 
 
+# -- a tensor held as a run of its elements: the boxes that tile it ----------------------------
+
+
+def boxes(shape, start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    r"""The boxes (``(offsets, sizes)``, DCP's chunks) that tile elements ``[start, stop)``
+    of a row-major tensor of ``shape`` (one dimension or more), in order. With
+    :math:`I = \prod_{d \ge 1} s_d` elements per row, the run is the end of row
+    :math:`\lfloor start/I \rfloor` (unless ``start`` begins a row), the whole rows
+    before row :math:`\lfloor stop/I \rfloor` (one box), and the beginning of that row
+    (unless ``stop`` begins it); a partial row is cut the same way in the dimensions after
+    the first. Each box is contiguous in memory, and there are at most :math:`2k - 1` of
+    them for :math:`k` dimensions."""
+    if start >= stop:
+        return []
+    if len(shape) == 1:
+        return [((start,), (stop - start,))]
+    inner = math.prod(shape[1:])
+    (row, first), (end, last) = divmod(start, inner), divmod(stop, inner)
+
+    def within(r: int, a: int, b: int) -> list:
+        return [((r, *o), (1, *s)) for o, s in boxes(shape[1:], a, b)]
+
+    if row == end:
+        return within(row, first, last)
+    out = []
+    if first:
+        out += within(row, first, inner)
+        row += 1
+    if end > row:
+        out.append(((row,) + (0,) * (len(shape) - 1), (end - row, *shape[1:])))
+    if last:
+        out += within(end, 0, last)
+    return out
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    r"""DCP's default save planner (PyTorch, 2024) for a state in which some tensors are
+    held by each rank as a run of their elements. ``pieces`` maps a name of the state to
+    ``(shape, start)``: ``state[name]`` on this rank holds elements
+    :math:`[start, start + n)` (:math:`n` its ``numel``) of the row-major flattening of a
+    tensor of ``shape``, and the ranks' runs tile it. This rank writes exactly those
+    elements, as the chunks :func:`boxes` cuts them into (each a view of the run), and
+    DCP's metadata records them as chunks of the whole tensor, so that ``dcp.load`` reads
+    it under any world size and layout (whole, as DTensor shards, as other runs), as it
+    reads a checkpoint written by any other planner. The other tensors and values are the
+    default planner's (a replicated tensor written once)."""
+
+    def __init__(self, pieces: dict):
+        super().__init__()
+        self.pieces, self.views = pieces, {}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        # an asynchronous save hands over its staged copy: the runs are taken from it
+        self.runs = {name: state_dict[name] for name in self.pieces}
+        rest = {k: v for k, v in state_dict.items() if k not in self.pieces}
+        super().set_up_planner(rest, storage_meta, is_coordinator)
+        if self.flatten_state_dict:
+            self.mappings.update({name: (name,) for name in self.pieces})
+
+    def create_local_plan(self):
+        plan, items = super().create_local_plan(), []
+        for name, (shape, start) in self.pieces.items():
+            run, at = self.runs[name].reshape(-1), 0
+            for offsets, sizes in boxes(shape, start, start + run.numel()):
+                n = math.prod(sizes)
+                self.views[name, offsets] = run[at : at + n].view(sizes)
+                at += n
+                chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                data = TensorWriteData(
+                    chunk, TensorProperties.create_from_tensor(run), torch.Size(shape)
+                )
+                index = MetadataIndex(name, torch.Size(offsets))
+                items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
+        self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        view = self.views.get((index.fqn, tuple(index.offset or ())))
+        return super().lookup_object(index) if view is None else view
+
+
 class PendingSave:
     """A save in progress: :meth:`wait` blocks until DCP's files are written, then writes
     ``state.pt`` (rank 0), which makes the step directory complete, and removes the older
@@ -180,7 +277,16 @@ class PendingSave:
 
 
 def save_sharded(
-    root, step: int, tensors: dict, format: str, /, *, group=None, asynchronous=False, **state
+    root,
+    step: int,
+    tensors: dict,
+    format: str,
+    /,
+    *,
+    group=None,
+    asynchronous=False,
+    pieces: dict | None = None,
+    **state,
 ) -> PendingSave:
     """Write ``tensors`` (a flat dict of names to tensors or DTensors, each rank its own)
     to ``root/step-<step>`` with ``dcp.save``, or with ``dcp.async_save`` when
@@ -189,7 +295,9 @@ def save_sharded(
     to the directory's ``state.pt`` once the tensors are written: by this call when
     synchronous, by the returned :class:`PendingSave`'s ``wait`` otherwise. ``group``:
     the ranks that save together (an asynchronous save's collectives need a group of
-    their own, apart from training's)."""
+    their own, apart from training's). ``pieces`` (name -> ``(shape, start)``): the tensors
+    of ``tensors`` that this rank holds as a run of elements ``[start, start + numel)`` of
+    a tensor of ``shape``, written as such (:class:`PieceSavePlanner`)."""
     start = time.perf_counter()
     directory = _step_directory(root, step)
     distributed = _distributed(group)
@@ -198,7 +306,10 @@ def save_sharded(
         directory.mkdir(parents=True)
     if distributed:
         dist.barrier(group)
-    where = dict(checkpoint_id=str(directory), process_group=group, no_dist=not distributed)
+    planner = PieceSavePlanner(pieces) if pieces else None
+    where = dict(
+        checkpoint_id=str(directory), process_group=group, no_dist=not distributed, planner=planner
+    )
     with _alone(not distributed):
         if asynchronous:
             future = dcp.async_save(tensors, **where)

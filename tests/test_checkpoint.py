@@ -1,9 +1,11 @@
 """lsdl_lab.checkpoint: sharded checkpoints of torch.distributed.checkpoint (a step
 directory complete once its state.pt is written, an asynchronous save that copies first and
 blocks training less than a synchronous one, a checkpoint of other tensors named with what
-differs) and how often to checkpoint (Young's and Daly's intervals, Daly's complete model of
+differs, a run of a tensor's elements tiled by boxes, in order, each contiguous, at most
+2k - 1 of them) and how often to checkpoint (Young's and Daly's intervals, Daly's complete model of
 the waste). The worlds of ranks are in tests/run/test_checkpoint.py."""
 
+import itertools
 import math
 import statistics
 
@@ -13,6 +15,7 @@ import torch
 
 from lsdl_lab.checkpoint import (
     CheckpointError,
+    boxes,
     daly_interval,
     expected_waste,
     latest_sharded,
@@ -174,3 +177,37 @@ def test_an_async_save_blocks_training_for_less_time_than_a_sync_save(tmp_path):
     sync, background = statistics.median(blocked[False]), statistics.median(blocked[True])
     assert background < 0.6 * sync, (blocked, background / sync)
     assert math.isfinite(sync) and sync > 0
+
+
+# -- a run of elements as boxes (what a ZeRO rank writes) -----------------------------------
+
+
+def _elements(shape, offsets, sizes) -> list[int]:
+    """The row-major flat indices of a box, in the order a row-major copy of it reads them."""
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    ranges = [range(o, o + n) for o, n in zip(offsets, sizes)]
+    return [sum(i * s for i, s in zip(index, strides)) for index in itertools.product(*ranges)]
+
+
+def test_the_boxes_of_a_run_tile_it_in_order_each_contiguous_at_most_2k_minus_1():
+    # every shape of 1 to 3 dimensions of sizes 1 to 3, two of 4 dimensions, and every run
+    # [start, stop) of each
+    shapes = [s for k in (1, 2, 3) for s in itertools.product(range(1, 4), repeat=k)]
+    shapes += [(3, 2, 2, 2), (2, 1, 3, 2)]
+    longest = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        for start, stop in itertools.combinations_with_replacement(range(n + 1), 2):
+            found, at = boxes(shape, start, stop), start
+            for offsets, sizes in found:
+                assert len(offsets) == len(sizes) == len(shape)
+                assert all(0 <= o and o + m <= d for o, m, d in zip(offsets, sizes, shape))
+                assert all(m > 0 for m in sizes), (shape, start, stop, found)
+                # contiguous, and next in order: a row-major copy of it is the next elements
+                count = math.prod(sizes)
+                assert _elements(shape, offsets, sizes) == list(range(at, at + count))
+                at += count
+            assert at == stop, (shape, start, stop, found)
+            assert len(found) <= 2 * len(shape) - 1, (shape, start, stop, found)
+            longest = max(longest, len(found))
+    assert longest == 2 * 4 - 1  # the bound is reached: the property is not vacuous

@@ -71,6 +71,8 @@ the tests check the arithmetic against FSDP2's
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -86,6 +88,18 @@ from .._util import (
 from .measure import measure
 
 __all__ = ["ZeroOptimizer"]
+
+
+class Piece(NamedTuple):
+    """A rank's part of one parameter (:meth:`ZeroOptimizer.pieces`): elements
+    ``[start, start + param.numel())`` of the row-major flattening of a parameter of
+    ``shape``, and the same elements of each tensor of its optimizer ``state`` (a number or
+    0-d tensor of the state, shared by the unit, as it is)."""
+
+    shape: torch.Size
+    start: int
+    param: torch.Tensor
+    state: dict
 
 
 class _Unit:
@@ -180,10 +194,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``process_group`` unscales and checks this rank's shard, and all ranks take the same
     skip decision.
     :meth:`held_bytes` measures what the rank holds; :meth:`full_parameters` assembles the
-    whole model. :attr:`units` is the partition, one unit per module that owns parameters
-    (in ``model.modules()`` order): its ``module``, ``params``, ``numel``, ``padded``
-    (``numel`` rounded up to a multiple of N), ``own`` (the slice of the padded flat
-    vector this rank holds), ``shard`` and ``master``.
+    whole model; :meth:`pieces` is this rank's part of each parameter and its state (what
+    a sharded checkpoint writes, with no collective). :attr:`units` is the partition, one
+    unit per module that owns parameters (in ``model.modules()`` order): its ``module``,
+    ``params``, ``numel``, ``padded`` (``numel`` rounded up to a multiple of N), ``own``
+    (the slice of the padded flat vector this rank holds), ``shard`` and ``master``.
 
     Limits, for readable code: every parameter requires a gradient and gets one in each
     backward pass; a parameter is used only inside the forward of the module that owns it
@@ -383,6 +398,41 @@ class ZeroOptimizer(torch.optim.Optimizer):
         flat = value.new_empty(unit.padded)
         all_gather_single(flat, value.detach().contiguous(), group=self.group)
         return [view.clone() for view in unit.views(flat[: unit.numel])]
+
+    def pieces(self) -> list[Piece]:
+        r"""This rank's part of each parameter of the model, in ``model.parameters()``
+        order, as views, with no collective (to write a sharded checkpoint,
+        :func:`lsdl_lab.run.parallel.sharded_state`). Parameter :math:`i` of a unit lies at
+        :math:`[o_i, o_i + n_i)` of the unit's flat vector, and rank :math:`r` owns
+        :math:`[rS, (r+1)S)` of it (:math:`S` = ``padded / N``); the rank so holds the
+        elements :math:`[\max(o_i, rS), \min(o_i + n_i, (r+1)S)) - o_i` of the
+        parameter's flattening (none when the interval is empty), and those same elements
+        of each of the optimizer's state tensors, which are shaped like the shard. Over
+        the ranks these runs tile every parameter and its state exactly: the padding is
+        never part of one."""
+        out = []
+        for unit in self.units:
+            state = self.state.get(unit.stepped, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.ndim > 0 and value.shape != unit.stepped.shape:
+                    raise ValueError(
+                        f"{type(self.optimizer).__name__}'s state {key!r} is not shaped like "
+                        "its shard; ZeRO cannot cut it into its parameters"
+                    )
+            own, offset = unit.own, 0
+            for shape in unit.shapes:
+                n = shape.numel()
+                start = min(max(own.start - offset, 0), n)
+                stop = min(max(own.stop - offset, 0), n)
+                at = offset + start - own.start  # where the run begins in the shard
+                held = slice(at, at + stop - start) if stop > start else slice(0, 0)
+                cut = {
+                    key: value[held] if torch.is_tensor(value) and value.ndim > 0 else value
+                    for key, value in state.items()
+                }
+                out.append(Piece(shape, start, unit.shard.detach()[held], cut))
+                offset += n
+        return out
 
     def load_full_state_dict(self, state: dict) -> None:
         """Load a state in the layout of :meth:`full_state_dict` (one process's, indexed

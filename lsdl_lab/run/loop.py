@@ -255,7 +255,7 @@ class RunCheckpoint(Checkpoint):
             )
         else:
             self.finish()  # the previous asynchronous save, before its group is used again
-            tensors, others = sharded_state(self.model, self.optimizer)
+            tensors, others, runs = sharded_state(self.model, self.optimizer)
             self.pending = files.save_sharded(
                 self.path,
                 step,
@@ -263,6 +263,7 @@ class RunCheckpoint(Checkpoint):
                 SHARDED_FORMAT,
                 group=self.group,
                 asynchronous=self.config.async_checkpoint,
+                pieces=runs,
                 others=others,
                 **self._small(step, elapsed),
             )
@@ -284,7 +285,7 @@ class RunCheckpoint(Checkpoint):
         if "optimizer" in self.state:  # a whole state: a file, or a sharded one read whole
             load_full_optimizer_state(self.model, self.optimizer, self.state["optimizer"])
         else:
-            tensors, _ = sharded_state(self.model, self.optimizer)
+            tensors, _, _ = sharded_state(self.model, self.optimizer)
             files.load_sharded(self.state["directory"], tensors, SHARDED_FORMAT)
             load_sharded_state(self.model, self.optimizer, tensors, self.state["others"])
         self.scheduler.load_state_dict(self.state["scheduler"])

@@ -21,9 +21,11 @@ wrapped first, and only the model; the optimizer is built once, after it.
   state as a flat dict of named tensors for a sharded checkpoint
   (:func:`lsdl_lab.checkpoint.save_sharded`, PyTorch's DCP): DDP's and FSDP2's from
   ``get_state_dict`` (FSDP2's as DTensors, each rank its shards, which DCP reshards on
-  load), ZeRO's whole (its flat shards are not DTensors, which DCP could address: every
-  rank gathers the whole state, as for a file). The names are the same in every mode, so
-  any mode resumes any other's.
+  load), ZeRO's as each rank's own elements of each parameter and its state
+  (:meth:`~lsdl_lab.memory.ZeroOptimizer.pieces`, no collective: ZeRO no longer gathers
+  the whole state to save), which :class:`lsdl_lab.checkpoint.PieceSavePlanner` writes as
+  DCP chunks of the whole tensors. The names are the same in every mode, so any mode
+  resumes any other's (ZeRO reads the whole state on resume, :func:`whole_state`).
 * :class:`~lsdl_lab.distributed.CollectiveBytes` (from :mod:`lsdl_lab.distributed.traffic`,
   the one byte counter of the book) counts what a rank hands to collectives in every mode:
   DDP's all-reduces and compression hooks, ZeRO's and FSDP2's gathers and reduce-scatters
@@ -274,20 +276,63 @@ def _dsd_options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(this rank's tensors, the numbers and 0-d tensors) of the model and optimizer, by
-    the names ``model.<parameter>``, ``optimizer.state.<parameter>.<key>`` and
-    ``optimizer.param_groups.<parameter>.<key>``: from ``get_state_dict`` (PyTorch, 2024;
-    FSDP2's as DTensors, a fresh optimizer's state made by a step of zero gradients at
-    learning rate 0), or ZeRO's whole state (a collective)."""
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:
+    """(this rank's tensors, the numbers and 0-d tensors as copies, the runs) of the model
+    and optimizer, by the names ``model.<parameter>``, ``optimizer.state.<parameter>.<key>``
+    and ``optimizer.param_groups.<parameter>.<key>``, for
+    :func:`lsdl_lab.checkpoint.save_sharded` (PyTorch's DCP, 2024). DDP and FSDP2: from
+    ``get_state_dict`` (FSDP2's as DTensors, a fresh optimizer's state made by a step of
+    zero gradients at learning rate 0), no runs. ZeRO: with no collective, rank
+    :math:`r`'s tensor of each parameter and of each of its state tensors is its own
+    run of elements :math:`[a_r, b_r)` of the row-major flattening
+    (:meth:`~lsdl_lab.memory.ZeroOptimizer.pieces`), and the runs map its name to
+    ``(shape, a_r)``; every element is written once, by the rank that steps it, and the
+    checkpoint loads under any mode and world size unchanged."""
+    runs = {}
     if isinstance(optimizer, ZeroOptimizer):
-        model_state, optimizer_state = full_state(model, optimizer)
-        optimizer_state = _flat_optimizer(optimizer_state)
+        model_state, optimizer_state, runs = _zero_runs(model, optimizer)
     else:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(model, optimizer, options=_dsd_options())
-    return _split(_flat({"model": model_state, "optimizer": optimizer_state}, ""))
+    tensors, others = _split(_flat({"model": model_state, "optimizer": optimizer_state}, ""))
+    # copies: an asynchronous save writes these after training has stepped on (Adam's step)
+    return tensors, _cpu(others), runs
+
+
+def _is_run(value) -> bool:
+    return torch.is_tensor(value) and value.ndim > 0
+
+
+def _zero_runs(model: nn.Module, optimizer: ZeroOptimizer) -> tuple[dict, dict, dict]:
+    """ZeRO's model state dict, its flat optimizer state (:func:`_flat_optimizer`) and the
+    runs of :func:`sharded_state`: each parameter and state tensor this rank's elements
+    (an empty parameter whole, as DDP writes it; the buffers whole, each written once)."""
+    inner = unwrapped(model)
+    names = names_of(inner)
+    pieces = optimizer.pieces()
+    if any(len(piece.shape) == 0 for piece in pieces):
+        # a 0-d parameter and its state go to state.pt, which rank 0 alone writes, and
+        # rank 0 may not hold them: the whole state is gathered (a collective), as before
+        model_state, optimizer_state = full_state(model, optimizer)
+        return model_state, _flat_optimizer(optimizer_state), {}
+    model_state = {k: v for k, v in inner.state_dict().items() if k not in set(names)}
+    state, runs = {}, {}
+    for name, piece in zip(names, pieces):
+        whole = piece.shape.numel() == 0
+        model_state[name] = piece.param.view(piece.shape) if whole else piece.param
+        state[name] = {
+            key: value.view(piece.shape) if whole and _is_run(value) else value
+            for key, value in piece.state.items()
+        }
+        if not whole:
+            runs[f"model.{name}"] = (piece.shape, piece.start)
+            for key, value in piece.state.items():
+                if _is_run(value):
+                    runs[f"optimizer.state.{name}.{key}"] = (piece.shape, piece.start)
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    optimizer_state = {"state": state, "param_groups": [hyper | {"params": names}]}
+    return model_state, _flat_optimizer(optimizer_state), runs
 
 
 def load_sharded_state(

@@ -247,3 +247,36 @@ def test_stages_2_and_3_accumulate_micro_batches(world_of_one, stage):
     opt.step()
     for p, q in zip(opt.full_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pieces_are_the_ranks_elements_of_each_parameter_as_views_with_no_collective(
+    world_of_one, stage, monkeypatch
+):
+    # In a world of one the rank holds every element: each piece starts at 0 and is the
+    # whole parameter and its state, flattened; the cut at world 2 is checked on the
+    # checkpoint it writes (tests/run/test_checkpoint.py).
+    model = sharded_workers.make_model(nested=True)
+    opt = ZeroOptimizer(model, optim.Adam, stage=stage, lr=0.1)
+    x, y = sharded_workers.global_batches()[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    whole, state = opt.full_parameters(), opt.full_state_dict()["state"]
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("pieces() called a collective")
+
+    monkeypatch.setattr("lsdl_lab.memory.sharded.all_gather_single", no_gather)
+    pieces = opt.pieces()
+    assert [p.shape for p in pieces] == [w.shape for w in whole]  # model.parameters() order
+    shards = {u.shard.untyped_storage().data_ptr() for u in opt.units}
+    for i, piece in enumerate(pieces):
+        assert piece.start == 0 and torch.equal(piece.param, whole[i].reshape(-1))
+        assert piece.param.untyped_storage().data_ptr() in shards  # a view, not a copy
+        assert set(piece.state) == {"step", "exp_avg", "exp_avg_sq"}
+        assert piece.state["step"] == state[i]["step"] == 1  # a number: as it is
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(piece.state[key], state[i][key].reshape(-1)), (i, key)
+    opt.state[opt.units[0].stepped]["odd"] = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="state 'odd' is not shaped like its shard"):
+        opt.pieces()

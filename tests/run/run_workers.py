@@ -61,7 +61,7 @@ RESUMABLE = {
     "zero2_5_steps": dict(CONSTANT, parallel="zero2", steps=5),
 }
 # sharded checkpoints (torch.distributed.checkpoint) written at world 2 after 3 steps, to
-# resume at worlds 1 and 4 (tests/run/test_checkpoint.py); one saves in the background
+# resume at worlds 1 and 4 (tests/run/test_checkpoint.py); two save in the background
 # after every step
 SHARDED = {
     name: dict(CONSTANT, parallel=parallel, steps=3, checkpoint_format="dcp", **extra)
@@ -70,6 +70,7 @@ SHARDED = {
         ("fsdp2", "fsdp2", {}),
         ("zero2", "zero2", {}),
         ("fsdp2_async", "fsdp2", dict(async_checkpoint=True, checkpoint_every=1)),
+        ("zero3_async", "zero3", dict(async_checkpoint=True, checkpoint_every=1)),
     )
 }
 # tests/run/test_launch.py's killed and restarted run, and its uninterrupted twin

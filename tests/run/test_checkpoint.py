@@ -1,9 +1,10 @@
 """The run's checkpoints (lsdl_lab.run.loop.RunCheckpoint): weights_only files; a corrupt,
 truncated or foreign file is an error naming it, and a run never restarts from scratch
 over it. Sharded checkpoints (checkpoint_format='dcp', torch.distributed.checkpoint):
-written at world 2 by DDP, FSDP2 and ZeRO-2 (one in the background), resumed at worlds 1
-and 4, in their mode and in another, with the uninterrupted run's losses and weights; a
-checkpoint of another model named with what differs; an interrupted save skipped."""
+written at world 2 by DDP, FSDP2, ZeRO-2 and ZeRO-3 (FSDP2 and ZeRO-3 in the background),
+each ZeRO rank writing exactly its own half of each unit, resumed at worlds 1 and 4, in
+their mode and in another, with the uninterrupted run's losses and weights; a checkpoint
+of another model named with what differs; an interrupted save skipped."""
 
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from lsdl_lab.checkpoint import latest_sharded, load, read_sharded
 from lsdl_lab.run import CheckpointError, main, train
 from lsdl_lab.run.loop import FORMAT, SHARDED_FORMAT
+from lsdl_lab.run.parallel import sharded_state
 
 CLOSE = {torch.float64: dict(rtol=0.0, atol=TOL)}
 
@@ -94,10 +96,10 @@ def test_the_command_line_says_so_and_exits_1(finished, tmp_path, capsys):
 
 
 # -- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------
-# Written at world 2 (run_workers.SHARDED: DDP, FSDP2, ZeRO-2, FSDP2 saving in the background
-# after every step), resumed at world 1 here and at world 4 in one spawned world: every
-# resumed run must compute the losses and weights of one uninterrupted process (float64, to
-# run_workers.TOL: the last bits of the ranks' sums), whatever mode resumes it.
+# Written at world 2 (run_workers.SHARDED: DDP, FSDP2, ZeRO-2, and FSDP2 and ZeRO-3 saving in
+# the background after every step), resumed at world 1 here and at world 4 in one spawned
+# world: every resumed run must compute the losses and weights of one uninterrupted process
+# (float64, to run_workers.TOL: the last bits of the ranks' sums), whatever mode resumes it.
 
 
 def _sharded_weights(out) -> dict:
@@ -129,18 +131,49 @@ def sharded(tmp_path_factory):
 @pytest.fixture(scope="module")
 def resumed_at_four(sharded, tmp_path_factory):
     """Each world-2 checkpoint resumed for 5 steps in one world of 4, in its own mode and in
-    the other sharded mode (DDP's by FSDP2, FSDP2's by DDP and by ZeRO-2)."""
+    others (DDP's by FSDP2, FSDP2's by DDP and by ZeRO-2, ZeRO-2's by DDP and by FSDP2,
+    the ZeRO-3 one saved in the background by ZeRO-1)."""
     written, _ = sharded
     root = tmp_path_factory.mktemp("four")
     runs = {}
     for name, by in [("ddp", "ddp"), ("fsdp2", "fsdp2"), ("zero2", "zero2"),
                      ("fsdp2_async", "fsdp2"), ("ddp", "fsdp2"), ("fsdp2", "ddp"),
-                     ("fsdp2", "zero2")]:  # fmt: skip
+                     ("fsdp2", "zero2"), ("zero2", "ddp"), ("zero2", "fsdp2"),
+                     ("zero3_async", "zero1")]:  # fmt: skip
         key = f"{name}_by_{by}"
         shutil.copytree(written / name / "checkpoint.dcp", root / key / "checkpoint.dcp")
         runs[key] = dict(SHARDED[name], parallel=by, steps=5, async_checkpoint=False,
                          checkpoint_every=0)  # fmt: skip
     return root, train_in_a_world(runs, root, 4)
+
+
+def _written(metadata) -> dict:
+    """For each tensor of a DCP checkpoint's metadata, the row-major positions of its
+    elements in each file: name -> file -> set of positions."""
+    out = {}
+    for index, where in metadata.storage_data.items():
+        tensor = metadata.state_dict_metadata[index.fqn]
+        chunk = next(c for c in tensor.chunks if c.offsets == index.offset)
+        box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+        positions = torch.arange(tensor.size.numel()).view(tensor.size)[box]
+        out.setdefault(index.fqn, {}).setdefault(where.relative_path, set()).update(
+            positions.reshape(-1).tolist()
+        )
+    return out
+
+
+def _zero_halves(written: dict, weights: dict) -> dict:
+    """Per unit (a layer's weight then bias, laid end to end) and per tensor kind, the
+    positions in the unit's flat vector that each file holds."""
+    out = {}
+    for unit in sorted({name.rsplit(".", 1)[0] for name in weights}):
+        first = weights[f"{unit}.weight"].numel()
+        for kind in ("model.{}", "optimizer.state.{}.exp_avg", "optimizer.state.{}.exp_avg_sq"):
+            by_file = out.setdefault((unit, kind), {})
+            for field, offset in (("weight", 0), ("bias", first)):
+                for file, positions in written[kind.format(f"{unit}.{field}")].items():
+                    by_file.setdefault(file, set()).update(p + offset for p in positions)
+    return out
 
 
 def test_each_rank_writes_its_part_and_the_async_save_keeps_the_last_step(sharded, uninterrupted):
@@ -155,26 +188,38 @@ def test_each_rank_writes_its_part_and_the_async_save_keeps_the_last_step(sharde
         assert steps == ["step-00000003"], (name, steps)  # older steps removed once complete
         files = {p.name for p in (written / name / "checkpoint.dcp" / steps[0]).iterdir()}
         assert {".metadata", "state.pt"} <= files
-        # DCP's metadata: where each piece of each tensor lies. DDP's and ZeRO's tensors
-        # are replicated: each is written once, whole; each of FSDP2's is in two pieces,
-        # one in each rank's file
+        # DCP's metadata: where each piece of each tensor lies. DDP's tensors are
+        # replicated: each is written once, whole; each of FSDP2's is in two pieces, one
+        # in each rank's file; ZeRO's rank r writes elements [rS, (r+1)S) of each unit's
+        # flat vector (S half of it), cut into boxes wherever a half ends inside a row
         metadata = FileSystemReader(str(written / name / "checkpoint.dcp" / steps[0]))
         metadata = metadata.read_metadata()
         tensors = {k: m for k, m in metadata.state_dict_metadata.items() if hasattr(m, "chunks")}
         assert len(tensors) == 3 * 6, name  # 6 weights and biases, with Adam's 2 moments
-        pieces = {len(m.chunks) for m in tensors.values()}
-        assert pieces == ({2} if name.startswith("fsdp2") else {1}), (name, pieces)
-        held = {i.fqn: set() for i in metadata.storage_data}
-        for index, where in metadata.storage_data.items():
-            held[index.fqn].add(where.relative_path)
+        pieces = {k: len(m.chunks) for k, m in tensors.items()}
+        held = _written(metadata)
         if name.startswith("fsdp2"):
-            assert all(f == {"__0_0.distcp", "__1_0.distcp"} for f in held.values()), held
+            assert set(pieces.values()) == {2}, (name, pieces)
+            assert all(set(f) == {"__0_0.distcp", "__1_0.distcp"} for f in held.values()), held
+        elif name.startswith("zero"):
+            # each rank's half of a weight ends inside a row: two boxes a rank, not one piece
+            weight_pieces = [pieces[k] for k in tensors if k.endswith("weight")]
+            assert min(weight_pieces) > 2, (name, pieces)
+            for unit, by_file in _zero_halves(held, weights).items():
+                size = sum(weights[f"{unit[0]}.{f}"].numel() for f in ("weight", "bias"))
+                half = -(-size // 2)
+                assert by_file == {
+                    "__0_0.distcp": set(range(half)),
+                    "__1_0.distcp": set(range(half, size)),
+                }, (name, unit)
+        else:
+            assert set(pieces.values()) == {1}, (name, pieces)
         assert sum(m.size.numel() for m in tensors.values()) == 3 * numel
         state = load(written / name / "checkpoint.dcp" / steps[0] / "state.pt", SHARDED_FORMAT)
         assert state["world_size"] == 2 and state["step"] == 3 and state["parallel"] in name
-    # the background save ran after every step; the others only at the end
-    async_records = results[0]["fsdp2_async"]
-    assert all(r["checkpoint_s"] > 0 for r in async_records)
+    # the background saves ran after every step; the others only at the end
+    for name in ("fsdp2_async", "zero3_async"):
+        assert all(r["checkpoint_s"] > 0 for r in results[0][name]), name
     assert [("checkpoint_s" in r) for r in results[0]["ddp"]] == [False, False, True]
 
 
@@ -268,6 +313,20 @@ def test_a_checkpoint_of_the_other_format_is_named_not_started_over(sharded, fin
     with pytest.raises(CheckpointError, match="checkpoint_format='file'"):
         train(config.replace(out_dir=str(tmp_path)))
     assert not (tmp_path / "checkpoint.dcp").exists()
+
+
+def test_the_numbers_of_a_sharded_state_are_copies_as_an_async_save_writes_them_later():
+    # state.pt of an asynchronous save is written at the next save, after training has
+    # stepped on: torch's Adam counts its step in a 0-d tensor, in place
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    tensors, others, runs = sharded_state(model, optimizer)
+    optimizer.step()
+    assert optimizer.state[model.weight]["step"] == 2
+    assert others["optimizer.state.weight.step"] == 1 and runs == {}
+    assert set(tensors) >= {"model.weight", "optimizer.state.weight.exp_avg"}
 
 
 def test_a_background_save_needs_the_sharded_format():
