@@ -463,6 +463,14 @@ def link_problem(href, base, html, sources):
     return None
 
 
+def markdown_lab(text: str) -> nbformat.NotebookNode:
+    """A lab of one Markdown cell, ``text``, with a Python kernel (what small_book builds)."""
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    notebook.cells = [nbformat.v4.new_markdown_cell(text)]
+    return notebook
+
+
 @pytest.mark.notebook
 def test_links_to_pages_on_github_become_links_to_the_site(tmp_path):
     """The hook on a two-page book: a lab links the chapter by the published site's URL (as
@@ -477,16 +485,12 @@ def test_links_to_pages_on_github_become_links_to_the_site(tmp_path):
         f"The [lab]({blob}{lab}.ipynb), [this section]({blob}{chapter}.md#the-section), "
         f"[results]({blob}benchmarks/results/colab_cost.md).\n"
     )
-    notebook = nbformat.v4.new_notebook()
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
-    notebook.cells = [
-        nbformat.v4.new_markdown_cell(
-            f"# A lab\n\n[Chapter]({blob}{chapter}.md), [its section]"
-            f"({blob}{chapter}.md#the-section), [a source]({blob}lsdl_lab/__init__.py), "
-            f"[as text]({blob}{chapter}.md?plain=1), [on the site]"
-            f"({published}{chapter}.html#the-section)"
-        )
-    ]
+    notebook = markdown_lab(
+        f"# A lab\n\n[Chapter]({blob}{chapter}.md), [its section]"
+        f"({blob}{chapter}.md#the-section), [a source]({blob}lsdl_lab/__init__.py), "
+        f"[as text]({blob}{chapter}.md?plain=1), [on the site]"
+        f"({published}{chapter}.html#the-section)"
+    )
     pages = {f"{chapter}.md": chapter_text, f"{lab}.ipynb": nbformat.writes(notebook)}
     proc = small_book(tmp_path, pages, execute=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -527,15 +531,11 @@ def test_an_edition_is_built_as_that_edition(tmp_path):
     blob = repository_blob()
     colab = f"https://colab.research.google.com/github/{urlsplit(repo).path.strip('/')}/blob/"
     chapter, lab = "book/ch01_introduction", "labs/lab01_getting_started"
-    notebook = nbformat.v4.new_notebook()
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
-    notebook.cells = [
-        nbformat.v4.new_markdown_cell(
-            f"# A lab\n\n[Open in Colab]({colab}main/{lab}.ipynb), [Chapter 1]"
-            f"({published}{chapter}.html#the-section), [results]"
-            f"({blob}benchmarks/results/colab_cost.md), [an edition]({published}v1/)"
-        )
-    ]
+    notebook = markdown_lab(
+        f"# A lab\n\n[Open in Colab]({colab}main/{lab}.ipynb), [Chapter 1]"
+        f"({published}{chapter}.html#the-section), [results]"
+        f"({blob}benchmarks/results/colab_cost.md), [an edition]({published}v1/)"
+    )
     pages = {
         f"{chapter}.md": "# A chapter\n\n## The section\n",
         f"{lab}.ipynb": nbformat.writes(notebook),
