@@ -3,8 +3,9 @@ lsdl_lab's top-level subpackages and modules (``lsdl_lab.optim``, ``lsdl_lab.mem
 ``lsdl_lab.train``, ...) and whose edges are the import statements of their files, at the top
 of a file or inside a function, absolute or relative, there is no cycle. An import written
 inside a function hides a cycle from Python, not from a reader: each part reads, and is
-tested, on the parts below it alone. (That nothing outside ``lsdl_lab/book/`` imports the
-book's wing is ``tests/book/test_wing.py``'s check.)"""
+tested, on the parts below it alone. And the book's wing (``lsdl_lab.book``) is imported by
+the pages, the labs, the benchmarks and the tests, never by the library: no module outside
+``lsdl_lab/book/`` imports it, in any form, ``lsdl_lab/__init__.py`` included."""
 
 import ast
 from pathlib import Path
@@ -111,6 +112,19 @@ def test_the_parts_of_lsdl_lab_import_each_other_without_a_cycle():
     )
 
 
+def test_the_library_never_imports_the_wing():
+    wing = PACKAGE / "book"
+    modules = [path for path in sorted(PACKAGE.rglob("*.py")) if wing not in path.parents]
+    assert len(modules) > 50 and PACKAGE / "__init__.py" in modules
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
+        for path in modules
+        for line, name in imported_modules(path)
+        if part(name) == "lsdl_lab.book"
+    ]
+    assert not offenders, "the library imports the book's wing:\n" + "\n".join(offenders)
+
+
 def test_the_graph_sees_every_form_of_import():
     # read as if in lsdl_lab/memory/calculator.py, so that relative imports resolve there
     probe = PACKAGE / "memory" / "calculator.py"
@@ -125,6 +139,18 @@ def test_the_graph_sees_every_form_of_import():
     ):
         assert [name for _, name in imported_modules(probe, source)] == [imported], source
     assert imported_modules(probe, "import torch\nfrom collections import abc") == []
+    # the wing, in every form (a name beginning like it is not it)
+    for source in (
+        "import lsdl_lab.book.races",
+        "from lsdl_lab.book import problems",
+        "from lsdl_lab import book",
+        "from ..book.widgets import optimizer_explorer",
+        "def f():\n    from .. import book",
+    ):
+        assert [part(name) for _, name in imported_modules(probe, source)] == ["lsdl_lab.book"], (
+            source
+        )
+    assert imported_modules(probe, "from lsdl_lab import bookkeeping") == []  # the package
     package = PACKAGE / "plan" / "__init__.py"  # in a package's __init__, "." is the package
     assert imported_modules(package, "from .lab import x") == [(1, "lsdl_lab.plan.lab")]
 
