@@ -3,7 +3,7 @@
 The library's packages hold the ideas the book teaches; this package holds what a chapter
 or a lab needs around them to show them: the experiments it runs on a world of processes,
 its races, its 2-D problems, its interactive explorers. The library never imports it (the
-test ``tests/book/test_wing.py`` holds that), so the library stays what the book explains
+test ``tests/test_imports.py`` holds that), so the library stays what the book explains
 and this package may depend on any of it.
 
 * :mod:`~lsdl_lab.book.communication_experiments`: the importable workers that Chapter 7
