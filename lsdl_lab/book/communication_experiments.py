@@ -90,6 +90,7 @@ from ..train import StepResult, accuracy, fit
 
 __all__ = [
     "COMPRESSORS",
+    "SynchronizedStep",
     "collective_times",
     "compression_run",
     "deep_mlp",
@@ -426,21 +427,27 @@ def compression_run(
     return results
 
 
-class _LocalSGDStep:
-    """:func:`~lsdl_lab.train.fit`'s step for local SGD: forward and backward of the batch
-    (:func:`lsdl_lab.steps.accumulate`, one micro-batch), then the optimizer's update
-    between the averager's ``before_step`` (the warm-up's all-reduce of the gradients) and
-    ``after_step`` (the average of the models that ends a period)."""
+class SynchronizedStep:
+    """:func:`~lsdl_lab.train.fit`'s step of the runs that communicate around the update
+    (local SGD here, Chapter 10's DDP, local SGD and DiLoCo): forward and backward of the
+    batch (:func:`lsdl_lab.steps.accumulate`, one micro-batch), then ``before()`` (an
+    all-reduce of the gradients: DDP's, or a local-SGD warm-up's), the optimizer's update
+    and ``after()`` (an averager's or DiLoCo's ``after_step``). The bytes these two hand to
+    the collectives are counted in :attr:`counter`; whatever runs between steps is not."""
 
-    def __init__(self, averager: PeriodicAverager):
-        self.averager = averager
+    def __init__(
+        self, before: Callable[[], None] = lambda: None, after: Callable[[], None] = lambda: None
+    ):
+        self.before, self.after, self.counter = before, after, CollectiveBytes()
 
     def __call__(self, model, optimizer, batch, task) -> StepResult:
         optimizer.zero_grad(set_to_none=True)
         loss, examples, counts = accumulate(model, [batch], task)
-        self.averager.before_step()
+        with self.counter:
+            self.before()
         optimizer.step()
-        self.averager.after_step()
+        with self.counter:
+            self.after()
         return StepResult(loss.item(), examples, counts)
 
 
@@ -478,7 +485,7 @@ def local_sgd_run(
                 opt,
                 lambda t: _shard(x, y, t, batch, rank, world_size),
                 steps,
-                step=_LocalSGDStep(averager),
+                step=SynchronizedStep(averager.before_step, averager.after_step),
                 progress=False,
                 grad_norm=False,
             )

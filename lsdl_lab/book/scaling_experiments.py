@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -70,9 +70,8 @@ from ..parallel import (
     ulysses_attention,
     ulysses_attention_bytes,
 )
-from ..steps import accumulate
 from ..train import LanguageModeling, StepResult, fit
-from .communication_experiments import fastest_rounds
+from .communication_experiments import SynchronizedStep, fastest_rounds
 
 __all__ = [
     "all_to_all_even",
@@ -544,29 +543,6 @@ def long_sequence_report(
 # -- DiLoCo ----------------------------------------------------------------------------------
 
 
-class _SynchronizedStep:
-    """:func:`~lsdl_lab.train.fit`'s step of :func:`diloco_report`: forward and backward of
-    the batch (:func:`lsdl_lab.steps.accumulate`), then ``before()`` (DDP's all-reduce of
-    the gradients), the optimizer's update and ``after()`` (an averager's or DiLoCo's
-    ``after_step``); the bytes these two hand to the collectives are counted in
-    :attr:`counter`, the evaluations between steps are not."""
-
-    def __init__(
-        self, before: Callable[[], None] = lambda: None, after: Callable[[], None] = lambda: None
-    ):
-        self.before, self.after, self.counter = before, after, CollectiveBytes()
-
-    def __call__(self, model, optimizer, batch, task) -> StepResult:
-        optimizer.zero_grad(set_to_none=True)
-        loss, examples, counts = accumulate(model, [batch], task)
-        with self.counter:
-            self.before()
-        optimizer.step()
-        with self.counter:
-            self.after()
-        return StepResult(loss.item(), examples, counts)
-
-
 def diloco_report(
     rank,
     world_size,
@@ -595,7 +571,7 @@ def diloco_report(
     in bytes, and its keys.
 
     Each trains through :func:`~lsdl_lab.train.fit` (which caps the steps in a dry run,
-    :mod:`lsdl_lab.profiles`) with a :class:`_SynchronizedStep`: the method's
+    :mod:`lsdl_lab.profiles`) with a :class:`SynchronizedStep`: the method's
     communication around AdamW's update, counted."""
     steps = check_int("steps", steps, 1)
     digits = load_digits()
@@ -623,11 +599,11 @@ def diloco_report(
         opt = torch.optim.AdamW(net.parameters(), lr=lr)
         diloco = DiLoCo(net.parameters(), period) if name == "DiLoCo" else None
         if name == "DDP":
-            step = _SynchronizedStep(before=partial(all_reduce_gradients, list(net.parameters())))
+            step = SynchronizedStep(before=partial(all_reduce_gradients, list(net.parameters())))
         elif name == "local SGD":
-            step = _SynchronizedStep(after=PeriodicAverager(net.parameters(), period).after_step)
+            step = SynchronizedStep(after=PeriodicAverager(net.parameters(), period).after_step)
         else:
-            step = _SynchronizedStep(after=diloco.after_step)
+            step = SynchronizedStep(after=diloco.after_step)
         curve = []
 
         def point(done, _history, step=step, curve=curve, net=net):
