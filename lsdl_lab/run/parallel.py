@@ -264,9 +264,14 @@ def _flat_optimizer(state: dict) -> dict:
     return out
 
 
+def _is_run(value) -> bool:
+    """Whether a value of the state is a tensor of one dimension or more (DCP writes it)."""
+    return torch.is_tensor(value) and value.ndim > 0
+
+
 def _split(flat: dict) -> tuple[dict, dict]:
     """(the tensors that are not 0-d, the rest): what DCP writes, what ``state.pt`` holds."""
-    tensors = {k: v for k, v in flat.items() if torch.is_tensor(v) and v.ndim > 0}
+    tensors = {k: v for k, v in flat.items() if _is_run(v)}
     return tensors, {k: v for k, v in flat.items() if k not in tensors}
 
 
@@ -300,10 +305,6 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
     return tensors, _cpu(others), runs
 
 
-def _is_run(value) -> bool:
-    return torch.is_tensor(value) and value.ndim > 0
-
-
 def _zero_runs(model: nn.Module, optimizer: ZeroOptimizer) -> tuple[dict, dict, dict]:
     """ZeRO's model state dict, its flat optimizer state (:func:`_flat_optimizer`) and the
     runs of :func:`sharded_state`: each parameter and state tensor this rank's elements
@@ -316,9 +317,10 @@ def _zero_runs(model: nn.Module, optimizer: ZeroOptimizer) -> tuple[dict, dict, 
         # rank 0 may not hold them: the whole state is gathered (a collective), as before
         model_state, optimizer_state = full_state(model, optimizer)
         return model_state, _flat_optimizer(optimizer_state), {}
-    model_state = {k: v for k, v in inner.state_dict().items() if k not in set(names)}
+    parameters = set(names)
+    model_state = {k: v for k, v in inner.state_dict().items() if k not in parameters}
     state, runs = {}, {}
-    for name, piece in zip(names, pieces):
+    for name, piece in zip(names, pieces, strict=True):
         whole = piece.shape.numel() == 0
         model_state[name] = piece.param.view(piece.shape) if whole else piece.param
         state[name] = {
