@@ -1,10 +1,11 @@
 """Sphinx hooks of the book's HTML, loaded through _config.yml's ``local_extensions``."""
 
-import re
 from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
 from docutils import nodes
+
+from lsdl_lab.student import Edition, pin_edition
 
 
 def drop_launch_buttons_off_notebooks(app, pagename, templatename, context, doctree):
@@ -74,16 +75,14 @@ def edition_link(url, repository_url, source_branch, branch):
     """`url` as the edition of `branch` (a tag) links it: a link to a file of the repository
     on the branch the sources name (``<repository>/blob/<source_branch>/...``), or to Colab
     opening one (``https://colab.research.google.com/github/<owner>/<name>/blob/...``),
-    names the build's `branch` instead; any other URL is returned as it is."""
+    names the build's `branch` instead; any other URL is returned as it is. The rule is the
+    student versions' (:func:`lsdl_lab.student.pin_edition`), applied to one link."""
     if not repository_url or not branch or branch == source_branch:
         return url
-    parts = urlsplit(repository_url.rstrip("/"))
-    if parts.netloc != "github.com":
+    if urlsplit(repository_url).netloc != "github.com":
         return url
-    repo = re.escape(parts.path.strip("/"))
-    hosts = r"https://(?:github\.com|colab\.research\.google\.com/github)/"
-    pattern = rf"({hosts}{repo}/(?:blob|tree)/){re.escape(source_branch)}(?=/)"
-    return re.sub(pattern, lambda m: m[1] + branch, url, count=1)
+    edition = Edition(branch, repository_url.rstrip("/"), branch=source_branch)
+    return pin_edition(url, edition)[0]
 
 
 def link_book_pages_internally(app, doctree, docname):
